@@ -1,0 +1,559 @@
+"""Session contexts over two tiers of blocks, with pins as leases and eviction in the hinted order.
+
+One session's context, as logical blocks of ``block_size`` tokens::
+
+    token_ids:  t0 ........................................................ tN   (computed at last use)
+    logical:    [ 0 ][ 1 ][ 2 ][ 3 ][ 4 ][ 5 ][ 6 ][ 7 ]
+    device:     [d17][d3 ][d40][d8 ]                          block_ids      (resident prefix)
+    host:                           [h2 ][h9 ]                host_block_ids (offloaded, next blocks)
+    pinned:     [####][####]                                  the first pinned_blocks device blocks
+                                              (blocks 6, 7 were dropped: their tokens recompute)
+
+Eviction always takes a context's *last* resident block, so what stays is a prefix that a later prompt
+can reuse.  A device block leaving goes to the host tier when one is configured (a real copy, queued as a
+``CopyOp`` that the executor runs before the next forward pass), else it is dropped.  The session whose
+blocks go first is chosen by the eviction policy (``_eviction.py``); pinned blocks and running or
+waiting sessions are never chosen while a parked one is left.
+
+Pins are leases: ``Pin(ttl_s)`` sets a deadline on this node's clock and covers the session's leading
+device blocks up to the pin budget (``pin_budget_fraction`` of the pool, counted in distinct blocks, so
+a shared prefix pinned twice costs once); a pin that does not fit is clamped and says so.  A lease that
+nobody renews expires by itself; an admitted turn consumes its session's pin (the pause it bridged is
+over), unless the orchestrator renews it at the next tool start.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ._block_pool import NONE_HASH, BlockPool, hash_block_tokens
+from ._eviction import SessionHeap, get_eviction_policy
+from ._executor import Clock, CopyOp
+
+__all__ = ["KVCacheManager", "KVStats", "PinResult", "PrefixPlan", "Session", "SessionState"]
+
+
+class SessionState(Enum):
+    PARKED = "parked"
+    WAITING = "waiting"
+    RUNNING = "running"
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: str
+    program_id: str
+    created_s: float
+    token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    host_block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full logical block
+    state: SessionState = SessionState.PARKED
+    last_used_s: float = 0.0
+    next_use_deadline_s: float | None = None
+    pin_deadline_s: float | None = None
+    pinned_blocks: int = 0
+    pin_seq: int = 0
+    prefetch_at_s: float | None = None
+    priority_class: int = 0
+    program_start_s: float | None = None  # from a Priority hint: program-level FCFS
+    expected_output_tokens: int | None = None
+    num_turns: int = 0
+    released: bool = False
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    @property
+    def num_device_tokens(self) -> int:
+        return min(len(self.token_ids), len(self.block_ids) * self._bs)
+
+    @property
+    def num_host_tokens(self) -> int:
+        end = min(len(self.token_ids), (len(self.block_ids) + len(self.host_block_ids)) * self._bs)
+        return max(0, end - self.num_device_tokens)
+
+    _bs: int = 16
+
+
+@dataclass
+class PrefixPlan:
+    """What a prompt can reuse; computed without changing anything (query), applied by ``attach``."""
+
+    device: list[tuple[int, bool]]  # (block id, is the session's own block) for each hit block
+    host: list[int]  # session host blocks to reload, in logical order after the device hits
+    num_cached_tokens: int  # device hits, in tokens
+    num_host_tokens: int  # host hits, in tokens
+    num_history_tokens: int  # tokens of this prompt that the session computed in an earlier turn
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return self.num_cached_tokens + self.num_host_tokens
+
+
+@dataclass
+class PinResult:
+    pinned_blocks: int
+    requested_blocks: int
+    deferred: bool = False  # the session is running or waiting: the pin applies when it parks
+
+    @property
+    def clamped(self) -> bool:
+        return self.pinned_blocks < self.requested_blocks and not self.deferred
+
+
+@dataclass
+class KVStats:
+    evicted_blocks: int = 0
+    offloaded_blocks: int = 0
+    reloaded_blocks: int = 0
+    dropped_host_blocks: int = 0
+    evicted_sessions: int = 0
+    pin_expiries: int = 0
+    pin_clamps: int = 0
+    forced_unpins: int = 0
+    prefetched_blocks: int = 0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        clock: Clock,
+        *,
+        pin_budget_fraction: float = 0.5,
+        eviction_policy: str = "hinted",
+        retain_contexts: bool = True,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= pin_budget_fraction < 1.0:
+            raise ValueError(f"pin_budget_fraction must be in [0, 1), got {pin_budget_fraction}")
+        self.block_size = block_size
+        self.clock = clock
+        self.device = BlockPool(num_device_blocks)
+        self.host = BlockPool(num_host_blocks, enable_prefix_index=False)
+        self.pin_budget_blocks = int(pin_budget_fraction * num_device_blocks)
+        self.policy = get_eviction_policy(eviction_policy)
+        # False reproduces vLLM: a finished request's blocks go straight to the free queue (LRU).
+        self.retain_contexts = retain_contexts
+        self.sessions: dict[str, Session] = {}
+        self.programs: dict[str, set[str]] = {}
+        self.pending_copies: list[CopyOp] = []
+        self.stats = KVStats()
+        self._pin_count = [0] * num_device_blocks
+        self.num_pinned_blocks = 0
+        self._device_evictable: SessionHeap[Session] = SessionHeap()
+        self._host_holders: SessionHeap[Session] = SessionHeap()
+        self._pin_expiry: list[tuple[float, int, str]] = []
+        self._prefetch_due: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def get_or_create(self, session_id: str, program_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            now = self.clock.now()
+            s = Session(session_id, program_id or session_id, created_s=now, last_used_s=now)
+            s._bs = self.block_size
+            self.sessions[session_id] = s
+            self.programs.setdefault(s.program_id, set()).add(session_id)
+        return s
+
+    def _refresh(self, s: Session) -> None:
+        """Keep the two eviction heaps in step with one session's state (call after every change)."""
+        if s.state is SessionState.PARKED and len(s.block_ids) > s.pinned_blocks:
+            self._device_evictable.set(s, self.policy.ref_time(s))
+        else:
+            self._device_evictable.discard(s)
+        if s.host_block_ids:
+            self._host_holders.set(s, self.policy.ref_time(s))
+        else:
+            self._host_holders.discard(s)
+
+    # ---- prefix reuse (query, then mutate) -----------------------------------------------------
+    def plan_prefix(self, s: Session, prompt: list[int]) -> PrefixPlan:
+        bs = self.block_size
+        hist = s.token_ids
+        n = min(len(prompt), len(hist))
+        history = n if prompt[:n] == hist[:n] else _common_prefix_len(prompt, hist, n)
+        device: list[tuple[int, bool]] = []
+        host: list[int] = []
+        parent = NONE_HASH
+        n_full = len(prompt) // bs
+        j = 0
+        own_full = min(history // bs, len(s.block_hashes))
+        while j < n_full:
+            if j < own_full and j < len(s.block_ids):
+                device.append((s.block_ids[j], True))
+                parent = s.block_hashes[j]
+                j += 1
+                continue
+            toks = tuple(prompt[j * bs : (j + 1) * bs])
+            h = s.block_hashes[j] if j < own_full else hash_block_tokens(parent, toks)
+            bid = self.device.lookup(h, parent, toks)
+            if bid is None:
+                break
+            device.append((bid, j < len(s.block_ids) and s.block_ids[j] == bid))
+            parent = h
+            j += 1
+        cached = j * bs
+        # The session's own partial tail block is reused in place when nobody else holds it.
+        if (
+            j == len(s.block_ids) - 1
+            and j * bs < history
+            and self.device.blocks[s.block_ids[j]].ref_cnt == 1
+            and self.device.blocks[s.block_ids[j]].block_hash is None
+        ):
+            device.append((s.block_ids[j], True))
+            cached = min(history, s.num_device_tokens)
+        host_tokens = 0
+        k = len(s.block_ids)
+        if cached == len(device) * bs and len(device) >= k:
+            for i, hb in enumerate(s.host_block_ids):
+                logical = k + i
+                if logical < len(device):
+                    continue  # that block was still cached on the device: its host copy is not needed
+                if logical * bs >= history:
+                    break
+                host.append(hb)
+                host_tokens = min(history, (logical + 1) * bs) - cached
+        # At least one prompt token is computed, for its logits.
+        while cached + host_tokens >= len(prompt) and (device or host):
+            if host:
+                host.pop()
+                host_tokens = max(0, min(history, (len(device) + len(host)) * bs) - cached)
+            elif device[-1][1] and self.device.blocks[device[-1][0]].block_hash is None:
+                cached = len(prompt) - 1  # own partial block: recompute just the last token in place
+                break
+            else:
+                device.pop()
+                cached = len(device) * bs
+        return PrefixPlan(device, host, cached, host_tokens, history)
+
+    def attach(self, s: Session, prompt: list[int], plan: PrefixPlan) -> None:
+        """Make ``plan`` the session's context: reuse hits, reload host hits, let go of the rest."""
+        self._unpin(s)
+        s.pin_deadline_s = None
+        s.state = SessionState.RUNNING
+        self._refresh(s)
+        keep = {bid for bid, own in plan.device if own}
+        for bid, own in plan.device:
+            if not own:
+                self.device.ref(bid)
+        for bid in s.block_ids:
+            if bid not in keep:
+                self.device.unref(bid)
+        new_blocks = [bid for bid, _ in plan.device]
+        cached = plan.num_cached_tokens
+        reload = plan.host
+        reloaded_tokens = 0
+        if reload:
+            dev = self.allocate_device(len(reload), exclude=s)
+            if dev is None:
+                reload = []
+            else:
+                for hb, db in zip(reload, dev, strict=True):
+                    self.pending_copies.append(CopyOp("h2d", hb, db))
+                new_blocks += dev
+                reloaded_tokens = plan.num_host_tokens
+                self.stats.reloaded_blocks += len(dev)
+        for hb in s.host_block_ids:
+            self.host.unref(hb)  # reloaded (copy already queued) or no longer part of the context
+        s.host_block_ids = []
+        total = cached + reloaded_tokens
+        s.token_ids = prompt[:total]
+        s.block_ids = new_blocks
+        valid = min(len(s.block_hashes), total // self.block_size, plan.num_history_tokens // self.block_size)
+        s.block_hashes = s.block_hashes[:valid]
+        self._rehash(s)
+        self._refresh(s)
+        plan.num_host_tokens = reloaded_tokens
+
+    def _rehash(self, s: Session) -> None:
+        """Extend ``block_hashes`` over full blocks and publish them (first writer wins)."""
+        bs = self.block_size
+        parent = s.block_hashes[-1] if s.block_hashes else NONE_HASH
+        for j in range(len(s.block_hashes), min(len(s.token_ids) // bs, len(s.block_ids))):
+            toks = tuple(s.token_ids[j * bs : (j + 1) * bs])
+            h = hash_block_tokens(parent, toks)
+            self.device.register(s.block_ids[j], h, parent, toks)
+            s.block_hashes.append(h)
+            parent = h
+
+    def ensure_slots(self, s: Session, num_tokens: int) -> bool:
+        """Give a running session enough device blocks for ``num_tokens`` positions (evicting others)."""
+        need = -(-num_tokens // self.block_size) - len(s.block_ids)
+        if need <= 0:
+            return True
+        got = self.allocate_device(need, exclude=s)
+        if got is None:
+            return False
+        s.block_ids.extend(got)
+        return True
+
+    def commit_tokens(self, s: Session, token_ids: list[int]) -> None:
+        """The executor computed KV for these tokens (appended at the end of the context)."""
+        s.token_ids.extend(token_ids)
+        if len(s.token_ids) > len(s.block_ids) * self.block_size:
+            raise RuntimeError(f"session {s.session_id}: KV written past its block table")
+        self._rehash(s)
+
+    def park(self, s: Session) -> None:
+        """The session's request finished (or was preempted): its context waits for the next turn."""
+        now = self.clock.now()
+        s.state = SessionState.PARKED
+        s.last_used_s = now
+        if s.next_use_deadline_s is not None and s.next_use_deadline_s <= now:
+            s.next_use_deadline_s = None  # the predicted use happened
+        if s.released or not self.retain_contexts:
+            self._drop_device(s, len(s.block_ids))
+            if s.released:
+                self.free_session(s)
+                return
+        elif s.pin_deadline_s is not None and s.pin_deadline_s > now:
+            self._grant_pin(s)
+        self._refresh(s)
+
+    def set_waiting(self, s: Session) -> None:
+        s.state = SessionState.WAITING
+        self._refresh(s)
+
+    # ---- allocation and eviction ---------------------------------------------------------------
+    def allocate_device(self, n: int, exclude: Session | None = None) -> list[int] | None:
+        now = self.clock.now()
+        while self.device.num_free_blocks < n:
+            victim = self._device_evictable.best(now)
+            if victim is None:
+                victim = self._waiting_victim(exclude)
+            if victim is None:
+                return None
+            self._evict_one(victim)
+        return self.device.allocate(n)
+
+    def _waiting_victim(self, exclude: Session | None) -> Session | None:
+        """Last resort before preempting a running request: the context of a queued turn."""
+        def order(x: Session) -> tuple[int, float]:
+            return (x.priority_class, x.program_start_s if x.program_start_s is not None else x.created_s)
+
+        best: Session | None = None
+        for s in self.sessions.values():
+            evictable = s.state is SessionState.WAITING and s is not exclude and len(s.block_ids) > s.pinned_blocks
+            if evictable and (best is None or order(s) > order(best)):
+                best = s
+        return best
+
+    def _evict_one(self, s: Session) -> None:
+        """Take the session's last unpinned device block: to the host tier if it can hold it, else drop."""
+        if len(s.block_ids) <= s.pinned_blocks:
+            raise RuntimeError(f"session {s.session_id} has no evictable block")
+        bid = s.block_ids[-1]
+        moved = False
+        if self.device.blocks[bid].ref_cnt == 1 and self.host.num_blocks:
+            hb = self._allocate_host(exclude=s)
+            if hb is not None:
+                self.pending_copies.append(CopyOp("d2h", bid, hb))
+                s.host_block_ids.insert(0, hb)
+                self.stats.offloaded_blocks += 1
+                moved = True
+        if not moved and s.host_block_ids:
+            self._drop_host(s, len(s.host_block_ids))  # behind a dropped block they are unreachable
+        s.block_ids.pop()
+        del s.block_hashes[len(s.block_ids) :]
+        self.device.unref(bid)
+        self.stats.evicted_blocks += 1
+        if not s.block_ids:
+            self.stats.evicted_sessions += 1
+        self._refresh(s)
+
+    def _allocate_host(self, exclude: Session) -> int | None:
+        now = self.clock.now()
+        while not self.host.can_allocate(1):
+            victim = self._host_holders.best(now)
+            if victim is None:
+                return None
+            self._drop_host(victim, 1)
+        return self.host.allocate(1)[0]
+
+    def _drop_host(self, s: Session, n: int) -> None:
+        for _ in range(min(n, len(s.host_block_ids))):
+            self.host.unref(s.host_block_ids.pop())
+            self.stats.dropped_host_blocks += 1
+        self._refresh(s)
+
+    def _drop_device(self, s: Session, n: int) -> None:
+        self._unpin(s)
+        self._drop_host(s, len(s.host_block_ids))
+        for _ in range(min(n, len(s.block_ids))):
+            self.device.unref(s.block_ids.pop())
+        del s.block_hashes[len(s.block_ids) :]
+        self._refresh(s)
+
+    def free_session(self, s: Session) -> None:
+        """Forget a session and everything it holds (Release, or a finished released program)."""
+        self._drop_device(s, len(s.block_ids))
+        self._device_evictable.discard(s)
+        self._host_holders.discard(s)
+        self.sessions.pop(s.session_id, None)
+        members = self.programs.get(s.program_id)
+        if members is not None:
+            members.discard(s.session_id)
+            if not members:
+                del self.programs[s.program_id]
+
+    def release_program(self, program_id: str) -> int:
+        """Free every parked context of the program now; running ones are freed when they finish."""
+        ids = list(self.programs.get(program_id, ()))
+        for sid in ids:
+            s = self.sessions[sid]
+            s.released = True
+            if s.state is SessionState.PARKED:
+                self.free_session(s)
+        return len(ids)
+
+    # ---- pins ----------------------------------------------------------------------------------
+    def set_pin(self, s: Session, ttl_s: float) -> PinResult:
+        if ttl_s <= 0:
+            self._unpin(s)
+            s.pin_deadline_s = None
+            self._refresh(s)
+            return PinResult(0, 0)
+        now = self.clock.now()
+        s.pin_deadline_s = now + ttl_s
+        s.pin_seq = next(self._seq)
+        heapq.heappush(self._pin_expiry, (s.pin_deadline_s, s.pin_seq, s.session_id))
+        if s.state is not SessionState.PARKED:
+            return PinResult(0, len(s.block_ids), deferred=True)
+        result = self._grant_pin(s)
+        self._refresh(s)
+        return result
+
+    def _grant_pin(self, s: Session) -> PinResult:
+        want = len(s.block_ids)
+        j = s.pinned_blocks
+        while j < want:
+            bid = s.block_ids[j]
+            if self._pin_count[bid] == 0:
+                if self.num_pinned_blocks >= self.pin_budget_blocks:
+                    break
+                self.num_pinned_blocks += 1
+            self._pin_count[bid] += 1
+            j += 1
+        s.pinned_blocks = j
+        result = PinResult(j, want)
+        if result.clamped:
+            self.stats.pin_clamps += 1
+        return result
+
+    def _unpin(self, s: Session) -> None:
+        for bid in s.block_ids[: s.pinned_blocks]:
+            self._pin_count[bid] -= 1
+            if self._pin_count[bid] == 0:
+                self.num_pinned_blocks -= 1
+        s.pinned_blocks = 0
+
+    def force_unpin_latest(self) -> bool:
+        """Deadlock rule: pinned memory blocks all progress, so the latest-arriving program lets go."""
+        pinned = [s for s in self.sessions.values() if s.pinned_blocks]
+        if not pinned:
+            return False
+        s = max(pinned, key=lambda x: (x.program_start_s or x.created_s, x.created_s))
+        self._unpin(s)
+        s.pin_deadline_s = None
+        self.stats.forced_unpins += 1
+        self._refresh(s)
+        return True
+
+    # ---- hints that only move predictions ------------------------------------------------------
+    def set_next_use(self, s: Session, next_use_s: float) -> None:
+        s.next_use_deadline_s = self.clock.now() + next_use_s
+        self._refresh(s)
+
+    def set_prefetch(self, s: Session, at_s: float) -> None:
+        s.prefetch_at_s = self.clock.now() + at_s
+        heapq.heappush(self._prefetch_due, (s.prefetch_at_s, next(self._seq), s.session_id))
+        self.set_next_use(s, at_s)
+
+    # ---- time passes ---------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Expire pin leases and run due prefetches; cheap when nothing is due."""
+        now = self.clock.now()
+        while self._pin_expiry and self._pin_expiry[0][0] <= now:
+            _, seq, sid = heapq.heappop(self._pin_expiry)
+            s = self.sessions.get(sid)
+            if s is None or s.pin_seq != seq or s.pin_deadline_s is None:
+                continue
+            if s.state is SessionState.WAITING:
+                continue  # its next turn is queued: the pin is consumed at admission instead
+            self._unpin(s)
+            s.pin_deadline_s = None
+            self.stats.pin_expiries += 1
+            self._refresh(s)
+        while self._prefetch_due and self._prefetch_due[0][0] <= now:
+            _, _, sid = heapq.heappop(self._prefetch_due)
+            s = self.sessions.get(sid)
+            if s is not None and s.state is SessionState.PARKED and s.host_block_ids:
+                self._prefetch(s)
+
+    def _prefetch(self, s: Session) -> None:
+        """Reload host blocks into *free* device blocks only: a prefetch never evicts anyone."""
+        n = min(len(s.host_block_ids), self.device.num_free_blocks)
+        if n <= 0:
+            return
+        dev = self.device.allocate(n)
+        for db in dev:
+            hb = s.host_block_ids.pop(0)
+            self.pending_copies.append(CopyOp("h2d", hb, db))
+            self.host.unref(hb)
+            s.block_ids.append(db)
+        self._rehash(s)
+        self.stats.prefetched_blocks += n
+        self._refresh(s)
+
+    def take_copies(self) -> list[CopyOp]:
+        ops, self.pending_copies = self.pending_copies, []
+        return ops
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        self.device.check_invariants()
+        self.host.check_invariants()
+        dev_refs = [0] * self.device.num_blocks
+        host_refs = [0] * self.host.num_blocks
+        pins = [0] * self.device.num_blocks
+        for s in self.sessions.values():
+            for bid in s.block_ids:
+                dev_refs[bid] += 1
+            for hb in s.host_block_ids:
+                host_refs[hb] += 1
+            for bid in s.block_ids[: s.pinned_blocks]:
+                pins[bid] += 1
+            if s.pinned_blocks > len(s.block_ids):
+                raise AssertionError(f"{s.session_id}: pins past its blocks")
+        for b in self.device.blocks:
+            if b.ref_cnt != dev_refs[b.block_id]:
+                raise AssertionError(f"device {b!r}: ref_cnt != {dev_refs[b.block_id]} session references")
+        for b in self.host.blocks:
+            if b.ref_cnt != host_refs[b.block_id]:
+                raise AssertionError(f"host {b!r}: ref_cnt != {host_refs[b.block_id]} session references")
+        if pins != self._pin_count or sum(1 for p in pins if p) != self.num_pinned_blocks:
+            raise AssertionError("pin counts disagree with sessions")
+        if self.num_pinned_blocks > max(self.pin_budget_blocks, 0):
+            raise AssertionError("pinned blocks over budget")
+
+
+def _common_prefix_len(a: list[int], b: list[int], n: int) -> int:
+    lo, hi = 0, n  # binary search on list-slice equality: C-speed compares, O(n log n) worst case
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+

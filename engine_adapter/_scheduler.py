@@ -1,0 +1,322 @@
+"""Continuous batching with chunked prefill, program-level priority, and a cold-prefill budget.
+
+Each step fills a token budget in this order::
+
+    1. running decodes              one token each
+    2. running warm prefills        chunks of what is left of their prompts
+    3. waiting warm requests        admitted in queue order
+    4. running cold prefills  \\     at most ``cold_prefill_budget_tokens`` together when 1-3 found work,
+    5. waiting cold requests  /     the whole remaining budget when they did not (work-conserving)
+
+A request is *cold* when more than ``warm_threshold_tokens`` of its prompt must be computed (a new
+session, or a context that was evicted); a warm resume has most of its prompt cached.  So a huge cold
+prompt advances every step yet cannot stand in front of the resumes that need only a few hundred tokens:
+the queue-behind-a-prefill-backlog failure of seed 000.
+
+Queue order: preempted requests first, then sessions holding a pin (their memory is reserved for them),
+then the lower priority value, then the older program (``Priority`` hints; without one, the request's
+own arrival: plain FCFS), then arrival.  When a running request cannot get a block, the running request
+that sorts last is preempted: its context is parked (evictable, unpinned) and it rejoins the queue front.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ._executor import Clock, ScheduledBatch, ScheduledSeq, StepOutput
+from ._kv_manager import KVCacheManager, Session, SessionState
+
+__all__ = ["Request", "RequestState", "Scheduler", "SchedulerConfig"]
+
+
+class _Step:
+    """The batch being built: remaining token budget, and what cold prefills may still take."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.cold_left = budget
+        self.seqs: list[ScheduledSeq] = []
+        self.scheduled: set[str] = set()
+
+    def limit(self, want: int, cold: bool) -> int:
+        return min(want, self.budget, self.cold_left) if cold else min(want, self.budget)
+
+    def spend(self, n: int, cold: bool) -> None:
+        self.budget -= n
+        if cold:
+            self.cold_left -= n
+
+
+class RequestState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    cold_prefill_budget_tokens: int = 512
+    warm_threshold_tokens: int = 256
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    session: Session
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_s: float
+    priority: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    on_event: Callable[[Request, list[int], bool], None] | None = None  # (req, new tokens, finished)
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    state: RequestState = RequestState.WAITING
+    cold: bool = False
+    preempted: bool = False
+    num_preemptions: int = 0
+    finish_reason: str = ""
+    # accounting at first admission
+    admitted: bool = False
+    num_cached_tokens: int = 0
+    num_host_hit_tokens: int = 0
+    num_history_tokens: int = 0
+    num_recomputed_tokens: int = 0
+    is_first_turn: bool = False
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    _seq: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output if self.output else self.prompt
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def queue_wait_s(self) -> float:
+        return (self.first_scheduled_s or self.arrival_s) - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    def sort_key(self) -> tuple[int, int, int, float, float, int]:
+        s = self.session
+        pinned = s.pin_deadline_s is not None
+        prio = self.priority if self.priority is not None else s.priority_class
+        start = s.program_start_s if s.program_start_s is not None else self.arrival_s
+        return (0 if self.preempted else 1, 0 if pinned else 1, prio, start, self.arrival_s, self._seq)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, clock: Clock, config: SchedulerConfig | None = None) -> None:
+        self.kv = kv
+        self.clock = clock
+        self.config = config or SchedulerConfig()
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self._waiting_keys: list[tuple[int, int, int, float, float, int]] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.on_finish: Callable[[Request], None] | None = None
+        self.num_preemptions = 0
+        self._seq = itertools.count()
+        self._resort = False
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        req._seq = next(self._seq)
+        self.requests[req.request_id] = req
+        if req.session.state is SessionState.PARKED:
+            self.kv.set_waiting(req.session)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        req.state = RequestState.WAITING
+        key = req.sort_key()
+        i = bisect.bisect(self._waiting_keys, key)
+        self._waiting_keys.insert(i, key)
+        self.waiting.insert(i, req)
+
+    def mark_priorities_changed(self) -> None:
+        self._resort = True
+
+    def _remove_waiting(self, req: Request) -> None:
+        i = self.waiting.index(req)
+        del self.waiting[i]
+        del self._waiting_keys[i]
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.state is RequestState.FINISHED:
+            return False
+        if req.state is RequestState.WAITING:
+            self._remove_waiting(req)
+        else:
+            self.running.remove(req)
+        self._finish(req, "abort")
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.kv.pending_copies)
+
+    def prefill_backlog_tokens(self) -> int:
+        """Prompt tokens still to compute: the queue a new cold request would wait behind."""
+        total = 0
+        for req in self.waiting:
+            s = req.session
+            total += max(0, req.num_tokens - s.num_device_tokens - s.num_host_tokens)
+        for req in self.running:
+            total += max(0, len(req.prompt) - req.num_computed)
+        return total
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        self.kv.tick()
+        if self._resort:
+            keyed = sorted(((r.sort_key(), r) for r in self.waiting), key=lambda kr: kr[0])
+            self._waiting_keys = [k for k, _ in keyed]
+            self.waiting = [r for _, r in keyed]
+            self._resort = False
+        step = _Step(self.config.max_num_batched_tokens)
+        for cold in (False, True):
+            if cold:  # the cap holds only while warm work shares the step: work-conserving
+                step.cold_left = self.config.cold_prefill_budget_tokens if step.seqs else step.budget
+            order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed > 1, r.sort_key()))
+            for req in order:
+                pending = req.num_tokens - req.num_computed
+                if req.request_id in step.scheduled or req.state is not RequestState.RUNNING:
+                    continue
+                if pending > 1 and req.cold != cold:
+                    continue
+                chunk = step.limit(pending, cold and pending > 1)
+                if chunk > 0:
+                    self._run(step, req, chunk, cold and pending > 1)
+            self._admit(step, cold)
+        return ScheduledBatch(seqs=step.seqs, copies=self.kv.take_copies())
+
+    def _run(self, step: _Step, req: Request, chunk: int, cold: bool) -> bool:
+        """Reserve blocks for ``chunk`` more tokens of a running request (preempting if it must)."""
+        while not self.kv.ensure_slots(req.session, req.num_computed + chunk):
+            victim = self._preemption_victim(exclude=step.scheduled)
+            if victim is not None and victim is not req:
+                self._preempt(victim)
+            elif not self.kv.force_unpin_latest():
+                self._preempt(req)
+                return False
+        toks = req.tokens[req.num_computed : req.num_computed + chunk]
+        sample = req.num_computed + chunk == req.num_tokens
+        step.seqs.append(
+            ScheduledSeq(req.request_id, toks, req.num_computed, list(req.session.block_ids), sample, len(req.prompt))
+        )
+        step.scheduled.add(req.request_id)
+        step.spend(chunk, cold)
+        if req.first_scheduled_s is None:
+            req.first_scheduled_s = self.clock.now()
+        return True
+
+    def _admit(self, step: _Step, cold_pass: bool) -> None:
+        i = 0
+        while i < len(self.waiting):
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            req = self.waiting[i]
+            s = req.session
+            if s.state is SessionState.RUNNING:  # one turn at a time per session
+                i += 1
+                continue
+            tokens = req.tokens
+            plan = self.kv.plan_prefix(s, tokens)
+            uncached = len(tokens) - plan.num_hit_tokens
+            if (uncached > self.config.warm_threshold_tokens) != cold_pass:
+                i += 1
+                continue
+            chunk = step.limit(uncached, cold_pass)
+            if chunk <= 0:
+                return
+            self.kv.attach(s, tokens, plan)
+            if not self.kv.ensure_slots(s, len(s.token_ids) + chunk):
+                self.kv.set_waiting(s)  # memory is full: it keeps its place in the queue
+                return
+            self._remove_waiting(req)
+            if not req.admitted:
+                req.admitted = True
+                req.num_cached_tokens = plan.num_cached_tokens
+                req.num_host_hit_tokens = plan.num_host_tokens
+                req.num_history_tokens = plan.num_history_tokens
+                req.num_recomputed_tokens = max(0, plan.num_history_tokens - plan.num_hit_tokens)
+            req.num_computed = len(s.token_ids)
+            req.cold = cold_pass
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+            self._run(step, req, min(chunk, req.num_tokens - req.num_computed), cold_pass)
+
+    def _preemption_victim(self, exclude: set[str]) -> Request | None:
+        candidates = [r for r in self.running if r.request_id not in exclude]
+        return max(candidates, key=lambda r: r.sort_key()) if candidates else None
+
+    def _preempt(self, req: Request) -> None:
+        """Back to the queue front; its computed KV stays as a parked, evictable context."""
+        if req in self.running:
+            self.running.remove(req)
+        req.preempted = True
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.kv.park(req.session)
+        self.kv.set_waiting(req.session)
+        self._enqueue(req)
+
+    # ---- after the step ------------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        now = self.clock.now()
+        for seq in batch.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.state is not RequestState.RUNNING:
+                continue
+            self.kv.commit_tokens(req.session, seq.token_ids)
+            req.num_computed += len(seq.token_ids)
+            if not seq.sample:
+                continue
+            tok = out.sampled[seq.request_id]
+            req.output.append(tok)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            done = len(req.output) >= req.max_new_tokens or tok in req.stop_token_ids
+            if done:
+                self.running.remove(req)
+                self._finish(req, "stop" if tok in req.stop_token_ids else "length", emit=[tok])
+            elif req.on_event is not None:
+                req.on_event(req, [tok], False)
+
+    def _finish(self, req: Request, reason: str, emit: list[int] | None = None) -> None:
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        req.finished_s = self.clock.now()
+        s = req.session
+        s.num_turns += 1
+        if s.state is not SessionState.PARKED or s.session_id in self.kv.sessions:
+            self.kv.park(s)
+        del self.requests[req.request_id]
+        if req.on_event is not None:
+            req.on_event(req, emit or [], True)
+        if self.on_finish is not None:
+            self.on_finish(req)

@@ -1,0 +1,378 @@
+"""A real (small) Llama-like decoder that attends over a paged KV cache.
+
+The modeled executor only prices steps; this one computes them, so tests can prove that the scheduler's
+block tables, prefix hits, chunking and offload/reload copies produce *the same logits* as a plain
+full forward.  Weights are random but seeded, so two executors with equal configs are interchangeable
+(equal ``fingerprint()``) and KV bytes moved between them stay meaningful.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_adapter._executor import CopyOp, KVLayout, ScheduledBatch, ScheduledSeq, StepOutput
+
+__all__ = ["TorchExecutor", "TorchModelConfig", "make_torch_executor"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+# Bump when the architecture or weight init changes: old KV bytes would no longer match the weights.
+_MODEL_VERSION = "hintflow-torch-llama-v1"
+
+Tier = Literal["device", "host"]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TorchModelConfig:
+    """Everything that determines the weights and the KV layout (and hence the fingerprint)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_model_len: int = 4096
+    block_size: int = 16
+    dtype: str = "float32"
+    seed: int = 0
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+        if (
+            min(self.vocab_size, self.num_layers, self.intermediate_size, self.max_model_len, self.block_size)
+            < 1
+        ):
+            raise ValueError("sizes must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm in float32 so low-precision dtypes don't lose the normalisation."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int | None) -> torch.Tensor:
+    """GQA attention of q ``[n, H, d]`` over k/v ``[c, KVH, d]``.
+
+    Query i sits at position ``q_offset + i`` and sees keys ``<=`` that position; ``q_offset=None``
+    uses SDPA's built-in causal mask instead (the reference path, so it checks the explicit mask).
+    """
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    mask = None
+    if q_offset is not None:
+        qpos = torch.arange(q.shape[0], device=q.device) + q_offset
+        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= qpos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=q_offset is None
+    )
+    return out.transpose(0, 1)
+
+
+class _Decoder(nn.Module):
+    """Embedding, [RMSNorm, RoPE GQA attention, RMSNorm, SwiGLU] x L, final norm, lm head.
+
+    Attention is delegated to a callback so the paged path and the reference path share every other op.
+    """
+
+    def __init__(self, cfg: TorchModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        gen = torch.Generator().manual_seed(cfg.seed)
+        h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+
+        def param(*shape: int, std: float) -> nn.Parameter:
+            return nn.Parameter(torch.randn(*shape, generator=gen) * std, requires_grad=False)
+
+        def ones(n: int) -> nn.Parameter:
+            return nn.Parameter(torch.ones(n), requires_grad=False)
+
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+        self.embed = param(cfg.vocab_size, h, std=1.0)
+        self.layers = nn.ModuleList(
+            nn.ParameterDict(
+                {
+                    "attn_norm": ones(h),
+                    "wqkv": param(h, qkv_out, std=h**-0.5),
+                    "wo": param(cfg.num_heads * hd, h, std=(cfg.num_heads * hd) ** -0.5),
+                    "mlp_norm": ones(h),
+                    "w_gate_up": param(h, 2 * inter, std=h**-0.5),
+                    "w_down": param(inter, h, std=inter**-0.5),
+                }
+            )
+            for _ in range(cfg.num_layers)
+        )
+        self.final_norm = ones(h)
+        self.lm_head = param(h, cfg.vocab_size, std=h**-0.5)
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        angles = torch.outer(torch.arange(cfg.max_model_len, dtype=torch.float64), inv_freq)
+        self._angles = torch.cat((angles, angles), dim=-1)
+        self.rope_cos, self.rope_sin = self._angles.cos(), self._angles.sin()
+        self.tokens_embedded = 0  # instrumentation: proves cached prefixes are not recomputed
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> _Decoder:
+        """Move weights; RoPE tables stay at >= float32 so low-precision models keep exact positions."""
+        self.to(device, dtype)
+        table_dtype = torch.promote_types(dtype, torch.float32)
+        self.rope_cos = self._angles.cos().to(device, table_dtype)
+        self.rope_sin = self._angles.sin().to(device, table_dtype)
+        return self
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)
+        xf = x.to(cos.dtype)
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+    def forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, attend: AttendFn, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Run packed tokens ``ids`` at positions ``pos``; return float32 logits of the given rows."""
+        cfg, n = self.cfg, ids.shape[0]
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.tokens_embedded += n
+        x = self.embed[ids]
+        for i, layer in enumerate(cast("list[nn.ParameterDict]", self.layers)):
+            q, k, v = (_rms_norm(x, layer["attn_norm"]) @ layer["wqkv"]).split([nq, nkv, nkv], dim=-1)
+            q = self._rope(q.reshape(n, cfg.num_heads, cfg.head_dim), pos)
+            k = self._rope(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), pos)
+            v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            x = x + attend(i, q, k, v).reshape(n, nq) @ layer["wo"]
+            gate, up = (_rms_norm(x, layer["mlp_norm"]) @ layer["w_gate_up"]).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer["w_down"]
+        return (_rms_norm(x[rows], self.final_norm) @ self.lm_head).float()
+
+
+class TorchExecutor:
+    """Executor that owns paged KV tensors (device and host tiers) and computes real forward passes."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        config: TorchModelConfig,
+        num_device_blocks: int,
+        num_host_blocks: int = 0,
+        device: str | torch.device | None = None,
+    ) -> None:
+        if num_device_blocks < 0 or num_host_blocks < 0:
+            raise ValueError("block counts must be >= 0")
+        self.config = config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.num_device_blocks, self.num_host_blocks = num_device_blocks, num_host_blocks
+        self.max_model_len, self.vocab_size = config.max_model_len, config.vocab_size
+        self.layout = KVLayout(
+            config.num_layers, config.num_kv_heads, config.head_dim, config.block_size, config.dtype
+        )
+        self._dtype = _DTYPES[config.dtype]
+        self.model = _Decoder(config).place(self.device, self._dtype).eval()
+        self.device_kv = torch.zeros(self.kv_shape(num_device_blocks), dtype=self._dtype, device=self.device)
+        host_kv = torch.zeros(self.kv_shape(num_host_blocks), dtype=self._dtype)
+        self.host_kv = host_kv.pin_memory() if self.device.type == "cuda" else host_kv
+
+    @property
+    def tokens_embedded(self) -> int:
+        """Tokens the model has run through its embedding so far (execute and reference paths)."""
+        return self.model.tokens_embedded
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_layers, 2, num_blocks, c.block_size, c.num_kv_heads, c.head_dim)
+
+    def fingerprint(self) -> str:
+        blob = json.dumps({"model": _MODEL_VERSION, **dataclasses.asdict(self.config)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        t0 = time.perf_counter()
+        for op in batch.copies:
+            self._check_copy(op)
+        self._check_seqs(batch.seqs)
+        sampled: dict[str, int] = {}
+        logits: dict[str, object] | None = {} if batch.return_logits else None
+        with torch.inference_mode():
+            for op in batch.copies:
+                if op.kind == "d2h":
+                    self.host_kv[:, :, op.dst].copy_(self.device_kv[:, :, op.src])
+                else:
+                    self.device_kv[:, :, op.dst].copy_(self.host_kv[:, :, op.src])
+            out = self._forward(batch.seqs).cpu() if batch.seqs else torch.empty(0, self.vocab_size)
+        wanted = [s for s in batch.seqs if s.sample]
+        for seq, row in zip(wanted, out.clone(), strict=True):  # clone: hand out ordinary tensors
+            sampled[seq.request_id] = int(row.argmax())
+            if logits is not None:
+                logits[seq.request_id] = row
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepOutput(sampled=sampled, elapsed_s=time.perf_counter() - t0, logits=logits)
+
+    def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """Pack all new tokens for the matmuls; attention is per seq over its block table."""
+        bs, dev = self.config.block_size, self.device
+        ctx_slots: list[torch.Tensor] = []
+        bounds: list[tuple[int, int, int]] = []  # (first packed row, end row, start_pos)
+        rows: list[int] = []
+        row = 0
+        for s in seqs:
+            p = torch.arange(s.start_pos + len(s.token_ids))
+            ctx_slots.append((torch.tensor(s.block_ids)[p // bs] * bs + p % bs).to(dev))
+            bounds.append((row, row + len(s.token_ids), s.start_pos))
+            row += len(s.token_ids)
+            if s.sample:
+                rows.append(row - 1)
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
+        pos = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in seqs]).to(dev)
+        new_slots = torch.cat([sl[s.start_pos :] for s, sl in zip(seqs, ctx_slots, strict=True)])
+        kvh, hd = self.config.num_kv_heads, self.config.head_dim
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache = self.device_kv[layer, 0].view(-1, kvh, hd)
+            v_cache = self.device_kv[layer, 1].view(-1, kvh, hd)
+            k_cache[new_slots], v_cache[new_slots] = k, v
+            return torch.cat(
+                [
+                    _attention(q[a:b], k_cache[sl], v_cache[sl], start)
+                    for (a, b, start), sl in zip(bounds, ctx_slots, strict=True)
+                ]
+            )
+
+        return self.model(ids, pos, attend, torch.tensor(rows, dtype=torch.long, device=dev))
+
+    def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Last-position logits of a plain full forward (no paging, fresh KV): the ground truth."""
+        self._check_seq(ScheduledSeq("reference", list(token_ids), 0, [], True), set(), check_blocks=False)
+        n = len(token_ids)
+
+        def attend(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return _attention(q, k, v, None)
+
+        with torch.inference_mode():
+            ids = torch.tensor(token_ids, device=self.device)
+            pos = torch.arange(n, device=self.device)
+            rows = torch.tensor([n - 1], device=self.device)
+            out = self.model(ids, pos, attend, rows)[0].cpu()
+        return out.clone()  # outside inference mode: callers get an ordinary tensor
+
+    # -- validation ----------------------------------------------------------------------------------
+
+    def _check_copy(self, op: CopyOp) -> None:
+        if op.kind not in ("d2h", "h2d"):
+            raise ValueError(f"unknown copy kind {op.kind!r}")
+        src_n, dst_n = (
+            (self.num_device_blocks, self.num_host_blocks)
+            if op.kind == "d2h"
+            else (self.num_host_blocks, self.num_device_blocks)
+        )
+        if not (0 <= op.src < src_n and 0 <= op.dst < dst_n):
+            raise ValueError(f"{op.kind} copy {op.src}->{op.dst} out of range (src<{src_n}, dst<{dst_n})")
+
+    def _check_seqs(self, seqs: list[ScheduledSeq]) -> None:
+        """Per-seq checks, plus: no two seqs write new KV into the same block (a scheduler bug)."""
+        seen: set[str] = set()
+        writers: dict[int, str] = {}
+        bs = self.config.block_size
+        for seq in seqs:
+            self._check_seq(seq, seen)
+            for b in seq.block_ids[seq.start_pos // bs : -(-(seq.start_pos + len(seq.token_ids)) // bs)]:
+                if writers.setdefault(b, seq.request_id) != seq.request_id:
+                    raise ValueError(f"requests {writers[b]!r} and {seq.request_id!r} both write block {b}")
+
+    def _check_seq(self, seq: ScheduledSeq, seen: set[str], check_blocks: bool = True) -> None:
+        rid, n = seq.request_id, len(seq.token_ids)
+        if rid in seen:
+            raise ValueError(f"request {rid!r} scheduled twice in one batch")
+        seen.add(rid)
+        if n == 0 or seq.start_pos < 0:
+            raise ValueError(
+                f"request {rid!r}: needs >= 1 token and start_pos >= 0 (start_pos={seq.start_pos})"
+            )
+        bad = [t for t in seq.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid!r}: token id {bad[0]} outside [0, {self.vocab_size})")
+        end = seq.start_pos + n
+        if end > self.max_model_len:
+            raise ValueError(f"request {rid!r}: {end} positions exceed max_model_len={self.max_model_len}")
+        if not check_blocks:
+            return
+        need = -(-end // self.config.block_size)
+        if len(seq.block_ids) < need:
+            raise ValueError(
+                f"request {rid!r}: block table has {len(seq.block_ids)} blocks, "
+                f"positions [0, {end}) need {need}"
+            )
+        self._check_ids("device", seq.block_ids[:need])
+        if len(set(seq.block_ids[:need])) < need:
+            raise ValueError(f"request {rid!r}: block table repeats a block: {seq.block_ids[:need]}")
+
+    def _check_ids(self, tier: Tier, block_ids: list[int]) -> torch.Tensor:
+        limit = {"device": self.num_device_blocks, "host": self.num_host_blocks}.get(tier)
+        if limit is None:
+            raise ValueError(f"tier must be 'device' or 'host', got {tier!r}")
+        bad = [b for b in block_ids if not 0 <= b < limit]
+        if bad:
+            raise ValueError(f"{tier} block id {bad[0]} out of range [0, {limit})")
+        return torch.tensor(block_ids, dtype=torch.long)
+
+    # -- raw KV transfer -----------------------------------------------------------------------------
+
+    def _tier(self, tier: Tier) -> torch.Tensor:
+        return self.device_kv if tier == "device" else self.host_kv
+
+    def read_blocks(self, tier: Tier, block_ids: list[int]) -> bytes:
+        idx = self._check_ids(tier, block_ids)
+        kv = self._tier(tier)
+        data = kv[:, :, idx.to(kv.device)].cpu().contiguous()
+        return data.view(torch.uint8).numpy().tobytes()
+
+    def write_blocks(self, tier: Tier, block_ids: list[int], data: bytes) -> None:
+        idx = self._check_ids(tier, block_ids)
+        expected = len(block_ids) * self.layout.block_nbytes
+        if len(data) != expected:
+            raise ValueError(f"expected {expected} bytes for {len(block_ids)} blocks, got {len(data)}")
+        kv = self._tier(tier)
+        raw = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        src = raw.view(self._dtype).reshape(self.kv_shape(len(block_ids)))
+        with torch.inference_mode():
+            kv[:, :, idx.to(kv.device)] = src.to(kv.device)
+
+
+def make_torch_executor(
+    num_device_blocks: int = 256,
+    num_host_blocks: int = 0,
+    device: str | torch.device | None = None,
+    **config_fields: Any,
+) -> TorchExecutor:
+    """Build an executor from flat keyword arguments (config fields mixed with block counts)."""
+    return TorchExecutor(TorchModelConfig(**config_fields), num_device_blocks, num_host_blocks, device)

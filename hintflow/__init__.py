@@ -1,0 +1,1 @@
+"""hintflow: agent runtime that pushes KV-cache hints to a program-aware engine node."""

@@ -1,0 +1,114 @@
+"""hintflow's protocol: the hint vocabulary, the engine node's replies, and their gRPC wire form.
+
+Both sides depend on this package and it depends on neither, so it imports nothing else of ours.
+
+Exports resolve lazily (PEP 562): ``from hints import Pin`` works as usual, but importing the package
+does not import the generated stubs. That is so ``python -m hints.codegen`` (which imports this package
+first) can still regenerate stubs that are missing, stale, or made by a protobuf newer than the one
+installed. Static checkers see the ``TYPE_CHECKING`` imports below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hints import engine_pb2, engine_pb2_grpc
+    from hints._convert import (
+        DecodedBatch,
+        HintDecodeError,
+        ack_from_proto,
+        ack_to_proto,
+        batch_from_proto,
+        batch_from_proto_lenient,
+        batch_to_proto,
+        cache_state_from_proto,
+        cache_state_to_proto,
+        hint_from_proto,
+        hint_to_proto,
+    )
+    from hints._models import (
+        MAX_HORIZON_S,
+        MAX_PIN_TTL_S,
+        CacheState,
+        EvictionOrder,
+        Expect,
+        Hint,
+        HintAck,
+        HintBatch,
+        HintModel,
+        HintResult,
+        NextUse,
+        Pin,
+        Prefetch,
+        Priority,
+        Release,
+        SessionResidency,
+    )
+
+__all__ = [
+    "MAX_HORIZON_S",
+    "MAX_PIN_TTL_S",
+    "CacheState",
+    "DecodedBatch",
+    "EvictionOrder",
+    "Expect",
+    "Hint",
+    "HintAck",
+    "HintBatch",
+    "HintDecodeError",
+    "HintModel",
+    "HintResult",
+    "NextUse",
+    "Pin",
+    "Prefetch",
+    "Priority",
+    "Release",
+    "SessionResidency",
+    "ack_from_proto",
+    "ack_to_proto",
+    "batch_from_proto",
+    "batch_from_proto_lenient",
+    "batch_to_proto",
+    "cache_state_from_proto",
+    "cache_state_to_proto",
+    "engine_pb2",
+    "engine_pb2_grpc",
+    "hint_from_proto",
+    "hint_to_proto",
+]
+
+_MODULES = frozenset({"engine_pb2", "engine_pb2_grpc"})
+_CONVERT = frozenset(
+    {
+        "DecodedBatch",
+        "HintDecodeError",
+        "ack_from_proto",
+        "ack_to_proto",
+        "batch_from_proto",
+        "batch_from_proto_lenient",
+        "batch_to_proto",
+        "cache_state_from_proto",
+        "cache_state_to_proto",
+        "hint_from_proto",
+        "hint_to_proto",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    """Import an export on first use and cache it in the module namespace."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _MODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        source = "._convert" if name in _CONVERT else "._models"
+        value = getattr(importlib.import_module(source, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
