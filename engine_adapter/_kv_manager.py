@@ -480,9 +480,10 @@ class KVCacheManager:
         self.set_next_use(s, at_s)
 
     # ---- time passes ---------------------------------------------------------------------------
-    def tick(self) -> None:
-        """Expire pin leases and run due prefetches; cheap when nothing is due."""
+    def tick(self) -> bool:
+        """Expire pin leases and run due prefetches; cheap when nothing is due. True if anything changed."""
         now = self.clock.now()
+        changed = False
         while self._pin_expiry and self._pin_expiry[0][0] <= now:
             _, seq, sid = heapq.heappop(self._pin_expiry)
             s = self.sessions.get(sid)
@@ -494,11 +495,14 @@ class KVCacheManager:
             s.pin_deadline_s = None
             self.stats.pin_expiries += 1
             self._refresh(s)
+            changed = True
         while self._prefetch_due and self._prefetch_due[0][0] <= now:
             _, _, sid = heapq.heappop(self._prefetch_due)
             s = self.sessions.get(sid)
             if s is not None and s.state is SessionState.PARKED and s.host_block_ids:
                 self._prefetch(s)
+                changed = True
+        return changed
 
     def _prefetch(self, s: Session) -> None:
         """Reload host blocks into *free* device blocks only: a prefetch never evicts anyone."""

@@ -241,9 +241,6 @@ class Scheduler:
                 return
             req = self.waiting[i]
             s = req.session
-            if s.state is SessionState.RUNNING:  # one turn at a time per session
-                i += 1
-                continue
             tokens = req.tokens
             plan = self.kv.plan_prefix(s, tokens)
             uncached = len(tokens) - plan.num_hit_tokens
@@ -313,8 +310,7 @@ class Scheduler:
         req.finished_s = self.clock.now()
         s = req.session
         s.num_turns += 1
-        if s.state is not SessionState.PARKED or s.session_id in self.kv.sessions:
-            self.kv.park(s)
+        self.kv.park(s)
         del self.requests[req.request_id]
         if req.on_event is not None:
             req.on_event(req, emit or [], True)

@@ -143,5 +143,144 @@ def _cache_replay_table(result: dict[str, Any], seconds: float) -> str:
     return "\n".join(lines)
 
 
+@engine.command("serve")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML config file.")
+@click.option("--executor", type=click.Choice(["torch", "modeled"]), default=None, help="[default: torch]")
+@click.option("--host", default=None, help="Address to bind.  [default: 127.0.0.1]")
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="gRPC port, 0: any free one.")
+@click.option(
+    "--metrics-port", type=click.IntRange(-1, 65535), default=None, help="Prometheus port; 0: any, -1: off."
+)
+@click.option("--node-id", default=None, help="Node id in cache state and logs.  [default: random]")
+@click.option("--model-name", default=None, help="model_name metric label.  [default: hintflow-tiny]")
+@click.option("--num-device-blocks", type=click.IntRange(min=1), default=None, help="Device KV blocks.")
+@click.option("--num-host-blocks", type=click.IntRange(min=0), default=None, help="Host-tier KV blocks.")
+@click.option("--pin-budget-fraction", type=click.FloatRange(0.0, 1.0, max_open=True), default=None)
+@click.option("--eviction-policy", default=None, help="Eviction policy name.  [default: hinted]")
+@click.option("--cost-model", default=None, help="Modeled executor: bundled profile name or JSON path.")
+def serve(config_file: str | None, **overrides: Any) -> None:
+    """Serve an engine node over gRPC until SIGINT/SIGTERM.
+
+    Settings come from the options, then HINTFLOW_* environment variables (nested with __, e.g.
+    HINTFLOW_SCHEDULER__MAX_NUM_SEQS), then --config, then defaults.
+    """
+    import asyncio
+
+    from pydantic import ValidationError
+
+    from engine_adapter._config import ConfigError, load_engine_config
+
+    try:
+        cfg = load_engine_config(config_file, **overrides)
+    except (ConfigError, ValidationError) as e:
+        raise click.UsageError(str(e)) from None
+    asyncio.run(_serve(cfg))
+
+
+async def _serve(cfg: Any) -> None:
+    """Build, start, announce, wait for a signal, stop gracefully."""
+    import asyncio
+    import signal
+
+    from engine_adapter._config import build_engine
+    from engine_adapter._server import start_node
+
+    core = build_engine(cfg)
+    node = await start_node(core, cfg.host, cfg.port, cfg.metrics_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    metrics = f"metrics on {node.metrics_address}" if node.metrics_address else "metrics off"
+    click.echo(f"hintflow engine node {core.node_id} serving on {node.address} ({metrics})")
+    sys.stdout.flush()
+    try:
+        await stop.wait()
+    finally:
+        await node.stop(grace=2.0)
+    click.echo(f"hintflow engine node {core.node_id} stopped", err=True)
+
+
+@engine.command("profile")
+@click.option(
+    "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="JSON file to write."
+)
+@click.option("--quick", is_flag=True, help="Fewer points: ~2 s with the tiny model (full plan: ~10 s).")
+@click.option("--name", default=None, help="Profile name (default: DEVICE-tiny, or DEVICE-hHIDDEN-lLAYERS).")
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Timed rounds per point (median).",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads (default: torch's)."
+)
+@click.option("--device", default="cpu", show_default=True, help="torch device to profile on.")
+@click.option(
+    "--clock",
+    type=click.Choice(["wall", "cpu"]),
+    default=None,
+    help="Step timer (default: cpu time for a one-thread CPU run, immune to other load; else wall).",
+)
+@click.option("--hidden-size", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--num-layers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--num-heads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--num-kv-heads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--intermediate-size", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--vocab-size", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16", "float64"]),
+    default="float32",
+    show_default=True,
+)
+def profile(
+    out: Path,
+    quick: bool,
+    name: str | None,
+    repeats: int,
+    threads: int | None,
+    device: str,
+    clock: str | None,
+    **model: Any,
+) -> None:
+    """Time the embedded torch executor and write a fitted cost model (for the modeled executor)."""
+    import time
+
+    from engine_adapter._profile import profile_torch_executor
+    from engine_adapter._torch_executor import TorchModelConfig
+
+    t0 = time.perf_counter()
+    try:
+        cm = profile_torch_executor(
+            TorchModelConfig(**model),
+            repeats=repeats,
+            quick=quick,
+            device=device,
+            threads=threads,
+            clock="cpu" if clock == "cpu" else "wall" if clock == "wall" else None,
+            name=name,
+            progress=lambda msg: click.echo(msg, err=True),
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    cm.save(out)
+    fit = cm.fit or {}
+    r2 = {part: fit.get(part, {}).get("r2", float("nan")) for part in ("prefill", "decode", "copy")}
+    click.echo(
+        f"{cm.name} on {cm.hardware}\n"
+        f"prefill  a={cm.prefill_a_s:.3e} s  b={cm.prefill_b_s_per_token:.3e} s/tok  "
+        f"c={cm.prefill_c_s_per_token2:.3e} s/tok²  R²={r2['prefill']:.3f}\n"
+        f"decode   base={cm.decode_base_s:.3e} s  per_seq={cm.decode_per_seq_s:.3e} s  "
+        f"per_ctx_token={cm.decode_per_ctx_token_s:.3e} s  R²={r2['decode']:.3f}\n"
+        f"copy     {cm.copy_per_block_s:.3e} s/block  R²={r2['copy']:.3f}\n"
+        f"wrote {out} in {time.perf_counter() - t0:.1f} s"
+    )
+
+
 def main() -> None:
     hintflow(prog_name="hintflow")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hints import engine_pb2, engine_pb2_grpc
+    from hints._client import EngineClient, GenerateChunk, GenerateResult
     from hints._convert import (
         DecodedBatch,
         HintDecodeError,
@@ -52,8 +53,11 @@ __all__ = [
     "MAX_PIN_TTL_S",
     "CacheState",
     "DecodedBatch",
+    "EngineClient",
     "EvictionOrder",
     "Expect",
+    "GenerateChunk",
+    "GenerateResult",
     "Hint",
     "HintAck",
     "HintBatch",
@@ -80,6 +84,7 @@ __all__ = [
 ]
 
 _MODULES = frozenset({"engine_pb2", "engine_pb2_grpc"})
+_CLIENT = frozenset({"EngineClient", "GenerateChunk", "GenerateResult"})
 _CONVERT = frozenset(
     {
         "DecodedBatch",
@@ -104,7 +109,7 @@ def __getattr__(name: str) -> Any:
     if name in _MODULES:
         value = importlib.import_module(f"{__name__}.{name}")
     else:
-        source = "._convert" if name in _CONVERT else "._models"
+        source = "._client" if name in _CLIENT else "._convert" if name in _CONVERT else "._models"
         value = getattr(importlib.import_module(source, __name__), name)
     globals()[name] = value
     return value

@@ -1,0 +1,467 @@
+"""EngineCore: one node's scheduler, KV manager and executor behind one lock, plus hint enforcement.
+
+Threads::
+
+    gRPC handlers (event loop) --submit/apply_hints/cache_state--> [lock] state
+    step thread:  [lock] schedule -> execute (no lock: tensors only) -> [lock] update
+
+Only ``schedule`` and ``update`` touch scheduler and KV state; ``execute`` reads block tables it was
+handed and the KV tensors, which nothing else writes while a step runs (import/export take the lock and
+flush pending copies first).  Hints are applied at once, under the lock, so an acknowledgement means
+the node's state already reflects the hint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from hints import (
+    CacheState,
+    EvictionOrder,
+    Expect,
+    HintDecodeError,
+    HintModel,
+    HintResult,
+    Pin,
+    Prefetch,
+    Priority,
+    Release,
+    SessionResidency,
+)
+
+from ._executor import Clock, Executor, MonotonicClock, ScheduledBatch, StepOutput, VirtualClock
+from ._kv_manager import KVCacheManager, SessionState
+from ._scheduler import Request, Scheduler, SchedulerConfig
+
+__all__ = [
+    "ContextData",
+    "EngineCore",
+    "EngineError",
+    "EngineObserver",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "NotFound",
+    "ResourceExhausted",
+]
+
+
+class EngineError(Exception):
+    code = "INTERNAL"
+
+
+class InvalidArgument(EngineError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(EngineError, KeyError):
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its message otherwise
+        return str(self.args[0]) if self.args else ""
+
+
+class FailedPrecondition(EngineError):
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(EngineError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class EngineObserver(Protocol):
+    """What metrics (or a replay harness) hear from the engine; every method is called under the lock."""
+
+    def on_request_finished(self, req: Request) -> None: ...
+    def on_step(self, batch: ScheduledBatch, out: StepOutput) -> None: ...
+    def on_hints(self, hints: Sequence[HintModel | HintDecodeError], results: Sequence[HintResult]) -> None: ...
+
+
+@dataclass
+class ContextData:
+    """A session's KV context as bytes, to move between nodes (the wire form is ``ContextBlob``)."""
+
+    session_id: str
+    program_id: str
+    token_ids: list[int]
+    block_size: int
+    model_fingerprint: str
+    dtype: str
+    shape: tuple[int, ...]
+    kv_data: bytes
+
+
+class EngineCore:
+    def __init__(
+        self,
+        executor: Executor,
+        *,
+        clock: Clock | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        pin_budget_fraction: float = 0.5,
+        eviction_policy: str = "hinted",
+        retain_contexts: bool = True,
+        node_id: str = "",
+        model_name: str = "hintflow-tiny",
+        pace_modeled: bool = False,
+    ) -> None:
+        self.executor = executor
+        self.clock: Clock = clock or MonotonicClock()
+        self.node_id = node_id or f"node-{uuid.uuid4().hex[:8]}"
+        self.model_name = model_name
+        self.block_size = executor.layout.block_size
+        self.kv = KVCacheManager(
+            executor.num_device_blocks,
+            executor.num_host_blocks,
+            self.block_size,
+            self.clock,
+            pin_budget_fraction=pin_budget_fraction,
+            eviction_policy=eviction_policy,
+            retain_contexts=retain_contexts,
+        )
+        self.scheduler = Scheduler(self.kv, self.clock, scheduler_config)
+        self.scheduler.on_finish = self._on_finish
+        self.observers: list[EngineObserver] = []
+        self.lock = threading.RLock()
+        self.version = 0  # bumps on every state change: cache-state watchers send on change
+        self.pace_modeled = pace_modeled  # serve a modeled executor in real time (sleep its step time)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.step_error: BaseException | None = None
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        session_id: str,
+        program_id: str = "",
+        request_id: str = "",
+        priority: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        on_event: Callable[[Request, list[int], bool], None] | None = None,
+    ) -> Request:
+        prompt = list(prompt)
+        self._validate(prompt, max_new_tokens, session_id, stop_token_ids)
+        with self.lock:
+            rid = request_id or f"req-{next(self._ids)}"
+            if rid in self.scheduler.requests:
+                raise InvalidArgument(f"request_id {rid!r} is already in flight")
+            s = self.kv.get_or_create(session_id, program_id)
+            if program_id and s.program_id != program_id:
+                raise InvalidArgument(
+                    f"session {session_id!r} belongs to program {s.program_id!r}, not {program_id!r}"
+                )
+            if s.released:
+                raise FailedPrecondition(f"program {s.program_id!r} was released; start a new session")
+            if s.state is not SessionState.PARKED:
+                # One turn at a time per session: a context continues from the previous turn's end.
+                raise FailedPrecondition(f"session {session_id!r} already has a request {s.state.value}")
+            req = Request(
+                rid, s, prompt, max_new_tokens, self.clock.now(), priority, frozenset(stop_token_ids), on_event
+            )
+            self.scheduler.add(req)
+            self._changed()
+        return req
+
+    def _validate(self, prompt: list[int], max_new_tokens: int, session_id: str, stop: Sequence[int]) -> None:
+        ex = self.executor
+        if not session_id or len(session_id) > 256 or not session_id.isprintable():
+            raise InvalidArgument(f"session_id must be 1-256 printable characters, got {session_id[:300]!r}")
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids must not be empty")
+        if max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        bad = next((t for t in prompt if not 0 <= t < ex.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {ex.vocab_size})")
+        if any(not 0 <= t < ex.vocab_size for t in stop):
+            raise InvalidArgument(f"stop_token_ids must lie in [0, {ex.vocab_size})")
+        total = len(prompt) + max_new_tokens
+        if total > ex.max_model_len:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"model's maximum length {ex.max_model_len}"
+            )
+        capacity = self.kv.device.num_blocks * self.block_size
+        if total > capacity:
+            raise InvalidArgument(f"{total} tokens can never fit this node's KV cache ({capacity} tokens)")
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            done = self.scheduler.abort(request_id)
+            if done:
+                self._changed()
+            return done
+
+    def _on_finish(self, req: Request) -> None:
+        for o in self.observers:
+            o.on_request_finished(req)
+
+    # ---- hints ---------------------------------------------------------------------------------
+    def apply_hints(self, hints: Sequence[HintModel | HintDecodeError]) -> list[HintResult]:
+        results = []
+        with self.lock:
+            for i, h in enumerate(hints):
+                try:
+                    results.append(self._apply(i, h))
+                except EngineError as e:
+                    results.append(HintResult(index=i, code=e.code, message=str(e)[:4000]))
+            for o in self.observers:
+                o.on_hints(hints, results)
+            self._changed()
+        return results
+
+    def _session(self, session_id: str):  # type: ignore[no-untyped-def]
+        s = self.kv.sessions.get(session_id)
+        if s is None:
+            raise NotFound(f"unknown session {session_id!r} on node {self.node_id}")
+        return s
+
+    def _apply(self, i: int, h: HintModel | HintDecodeError) -> HintResult:
+        if isinstance(h, HintDecodeError):
+            raise InvalidArgument(str(h))
+        now = self.clock.now()
+        if isinstance(h, Pin):
+            s = self._session(h.session_id)
+            r = self.kv.set_pin(s, h.ttl_s)
+            msg = "pin applies when the running turn ends" if r.deferred else ""
+            if r.clamped:
+                msg = f"pin clamped to {r.pinned_blocks} of {r.requested_blocks} blocks by the pin budget"
+            self.scheduler.mark_priorities_changed()
+            return HintResult(
+                index=i, message=msg, clamped=r.clamped, pinned_blocks=r.pinned_blocks, requested_blocks=r.requested_blocks
+            )
+        if isinstance(h, EvictionOrder):
+            unknown = []
+            for e in h.entries:
+                s = self.kv.sessions.get(e.session_id)
+                if s is None:
+                    unknown.append(e.session_id)
+                else:
+                    self.kv.set_next_use(s, e.next_use_s)
+            if unknown:
+                raise NotFound(f"{len(unknown)} unknown session(s), e.g. {unknown[0]!r}; the others were applied")
+            return HintResult(index=i)
+        if isinstance(h, Priority):
+            sessions = [self._session(h.session_id)]
+            if h.program_id:
+                sessions += [self.kv.sessions[sid] for sid in self.kv.programs.get(h.program_id, ())]
+            for s in sessions:
+                s.program_start_s = now - h.program_age_s
+                s.priority_class = h.priority_class
+            self.scheduler.mark_priorities_changed()
+            return HintResult(index=i)
+        if isinstance(h, Prefetch):
+            self.kv.set_prefetch(self._session(h.session_id), h.at_s)
+            return HintResult(index=i)
+        if isinstance(h, Expect):
+            self._session(h.session_id).expected_output_tokens = h.output_tokens
+            return HintResult(index=i)
+        if isinstance(h, Release):
+            if h.program_id not in self.kv.programs:
+                raise NotFound(f"unknown program {h.program_id!r} on node {self.node_id}")
+            self.kv.release_program(h.program_id)
+            return HintResult(index=i)
+        raise InvalidArgument(f"unsupported hint {type(h).__name__}")
+
+    # ---- stepping ------------------------------------------------------------------------------
+    def step(self) -> StepOutput | None:
+        """Run one scheduler step; None when there was nothing to do."""
+        with self.lock:
+            batch = self.scheduler.schedule()
+            if batch.is_empty():
+                return None
+        out = self.executor.execute(batch)
+        if self.pace_modeled and self.executor.name == "modeled":
+            time.sleep(out.elapsed_s)  # before update: tokens are stamped when the modeled step ends
+        with self.lock:
+            if isinstance(self.clock, VirtualClock):
+                self.clock.advance(out.elapsed_s)
+            self.scheduler.update(batch, out)
+            for o in self.observers:
+                o.on_step(batch, out)
+            self._changed()
+        return out
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return self.scheduler.has_work()
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> int:
+        n = 0
+        while n < max_steps and self.step() is not None:
+            n += 1
+        return n
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._wake.set()
+
+    def start(self) -> None:
+        """Step in a background thread whenever there is work (serving)."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=f"hintflow-engine-{self.node_id}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                did = self.step()
+            except Exception as e:  # keep serving: fail the step's requests, not the node
+                self.step_error = e
+                self._fail_running(e)
+                did = None
+            if did is None:
+                with self.lock:
+                    busy = self.scheduler.has_work()
+                    self._wake.clear()
+                # Idle: sleep until a request or hint arrives; wake now and then for pin expiries.
+                self._wake.wait(timeout=0.001 if busy else 0.05)
+                with self.lock:
+                    if self.kv.tick():
+                        self._changed()
+
+    def _fail_running(self, err: BaseException) -> None:
+        with self.lock:
+            for req in list(self.scheduler.running):
+                self.scheduler.abort(req.request_id)
+
+    # ---- cache state ---------------------------------------------------------------------------
+    def cache_state(self, include_sessions: bool = False) -> CacheState:
+        with self.lock:
+            kv = self.kv
+            sessions = []
+            if include_sessions:
+                for s in kv.sessions.values():
+                    sessions.append(
+                        SessionResidency(
+                            session_id=s.session_id,
+                            program_id=s.program_id,
+                            device_tokens=s.num_device_tokens,
+                            host_tokens=s.num_host_tokens,
+                            pinned=s.pinned_blocks > 0,
+                            state=s.state.value,
+                        )
+                    )
+            return CacheState(
+                node_id=self.node_id,
+                model_name=self.model_name,
+                block_size=self.block_size,
+                total_blocks=kv.device.num_blocks,
+                free_blocks=kv.device.num_free_blocks,
+                pinned_blocks=kv.num_pinned_blocks,
+                host_total_blocks=kv.host.num_blocks,
+                host_free_blocks=kv.host.num_free_blocks,
+                num_waiting=self.scheduler.num_waiting,
+                num_running=self.scheduler.num_running,
+                prefill_backlog_tokens=self.scheduler.prefill_backlog_tokens(),
+                sessions=sessions,
+                node_time_s=self.clock.now(),
+                version=self.version,
+            )
+
+    # ---- moving contexts between nodes ---------------------------------------------------------
+    def _flush_copies(self) -> None:
+        ops = self.kv.take_copies()
+        if ops:
+            self.executor.execute(ScheduledBatch(copies=ops))
+
+    def export_context(self, session_id: str, release_after: bool = False) -> ContextData:
+        with self.lock:
+            s = self._session(session_id)
+            if s.state is not SessionState.PARKED:
+                raise FailedPrecondition(f"session {session_id!r} is {s.state.value}; export it between turns")
+            self._flush_copies()
+            ex = self.executor
+            bs = self.block_size
+            n_tokens = s.num_device_tokens + s.num_host_tokens
+            dev_ids = s.block_ids[: -(-s.num_device_tokens // bs)]
+            host_ids = s.host_block_ids[: -(-n_tokens // bs) - len(dev_ids)]
+            data = b""
+            if dev_ids:
+                data += ex.read_blocks("device", dev_ids)
+            if host_ids:
+                data += ex.read_blocks("host", host_ids)
+            blob = ContextData(
+                session_id=s.session_id,
+                program_id=s.program_id,
+                token_ids=s.token_ids[:n_tokens],
+                block_size=self.block_size,
+                model_fingerprint=ex.fingerprint(),
+                dtype=ex.layout.dtype,
+                shape=tuple(ex.kv_shape(len(dev_ids) + len(host_ids))),
+                kv_data=data,
+            )
+            if release_after:
+                self.kv.free_session(s)
+                self._changed()
+            return blob
+
+    def import_context(self, blob: ContextData) -> tuple[int, int]:
+        ex = self.executor
+        if blob.model_fingerprint != ex.fingerprint():
+            raise FailedPrecondition(
+                f"context was computed by model {blob.model_fingerprint!r}; this node runs {ex.fingerprint()!r}"
+            )
+        if blob.block_size != self.block_size or blob.dtype != ex.layout.dtype:
+            raise FailedPrecondition(
+                f"KV layout differs: block_size {blob.block_size}/{blob.dtype} vs {self.block_size}/{ex.layout.dtype}"
+            )
+        if not blob.session_id:
+            raise InvalidArgument("session_id must not be empty")
+        n_blocks = math.ceil(len(blob.token_ids) / self.block_size)
+        expected = n_blocks * ex.layout.block_nbytes
+        if len(blob.kv_data) != expected or tuple(blob.shape) != tuple(ex.kv_shape(n_blocks)):
+            raise InvalidArgument(
+                f"kv_data holds {len(blob.kv_data)} bytes with shape {tuple(blob.shape)}; {len(blob.token_ids)} "
+                f"tokens need {expected} bytes with shape {tuple(ex.kv_shape(n_blocks))}"
+            )
+        if any(not 0 <= t < ex.vocab_size for t in blob.token_ids):
+            raise InvalidArgument("token_ids outside the vocabulary")
+        with self.lock:
+            s = self.kv.get_or_create(blob.session_id, blob.program_id)
+            if s.state is not SessionState.PARKED:
+                raise FailedPrecondition(f"session {blob.session_id!r} is {s.state.value} here")
+            self.kv._drop_device(s, len(s.block_ids))
+            s.state = SessionState.RUNNING  # keeps it out of the eviction heaps while blocks are allocated
+            blocks = self.kv.allocate_device(n_blocks, exclude=s) if n_blocks else []
+            if blocks is None:
+                self.kv.park(s)
+                raise ResourceExhausted(f"no room for {n_blocks} blocks on node {self.node_id}")
+            self._flush_copies()  # offloads chosen just now must read their blocks before we overwrite
+            if blocks:
+                ex.write_blocks("device", blocks, blob.kv_data)
+            s.token_ids = list(blob.token_ids)
+            s.block_ids = blocks
+            s.block_hashes = []
+            self.kv._rehash(s)
+            self.kv.park(s)
+            self._changed()
+            return len(blob.token_ids), n_blocks
+
+    def check_invariants(self) -> None:
+        with self.lock:
+            self.kv.check_invariants()
+            running_sessions = {r.session.session_id for r in self.scheduler.running}
+            for s in self.kv.sessions.values():
+                if (s.state is SessionState.RUNNING) != (s.session_id in running_sessions):
+                    raise AssertionError(f"session {s.session_id} state {s.state} disagrees with running set")

@@ -1,0 +1,334 @@
+"""The engine node's gRPC face (``hintflow.v1.EngineNode`` on grpc.aio), plus health, reflection, metrics.
+
+The event loop only moves messages; the engine steps in its own thread (``EngineCore.start``).  Tokens
+cross from that thread to a ``Generate`` stream through ``loop.call_soon_threadsafe`` into an
+``asyncio.Queue``.  Hints are applied directly on the loop: ``apply_hints`` is a few dictionary updates
+under the engine lock, and applying before acknowledging means an ack already reflects the hint.
+Context export/import copy tensors, so they run in a worker thread.
+
+Errors: an ``EngineError`` becomes its own status code (``.code`` is the gRPC name); anything else is
+INTERNAL with the exception's message, and the node keeps serving.  A bad hint is answered in its
+``HintResult`` and never ends a ``PushHints`` stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+from pydantic import TypeAdapter, ValidationError
+
+from hints import (
+    HintAck,
+    HintResult,
+    ack_to_proto,
+    batch_from_proto_lenient,
+    cache_state_to_proto,
+    engine_pb2,
+    engine_pb2_grpc,
+)
+from hints._models import OptionalProgramId, SessionId
+
+from ._engine import ContextData, EngineCore, EngineError, InvalidArgument
+from ._metrics import EngineMetrics
+from ._scheduler import Request
+
+__all__ = ["MAX_MESSAGE_BYTES", "EngineNodeServicer", "RunningNode", "start_node"]
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+"""Send/receive limit: an exported context of a long session is tens of MiB, far over gRPC's 4 MiB."""
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineNode"].full_name
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+_SESSION_ID: TypeAdapter[str] = TypeAdapter(SessionId)
+_PROGRAM_ID: TypeAdapter[str] = TypeAdapter(OptionalProgramId)
+
+
+def _check_ids(request: engine_pb2.GenerateRequest) -> None:
+    """Ids follow the protocol's rules (length, no control characters) before they enter the engine.
+
+    Otherwise one odd id, accepted here, would make every later CacheState with sessions fail to validate.
+    """
+    for what, adapter, value in (
+        ("session_id", _SESSION_ID, request.session_id),
+        ("program_id", _PROGRAM_ID, request.program_id),
+    ):
+        try:
+            adapter.validate_python(value)
+        except ValidationError as e:
+            raise InvalidArgument(f"{what}: {e.errors()[0]['msg']}") from None
+
+
+class _Event(NamedTuple):
+    """What the step thread hands a Generate stream: new tokens, and the request's accounting then."""
+
+    tokens: list[int]
+    finished: bool
+    finish_reason: str
+    first: engine_pb2.GenerateResponse | None  # the first event: accounting, read under the engine lock
+
+
+def _accounting(req: Request) -> engine_pb2.GenerateResponse:
+    return engine_pb2.GenerateResponse(
+        request_id=req.request_id,
+        num_prompt_tokens=len(req.prompt),
+        num_cached_tokens=req.num_cached_tokens,
+        num_host_hit_tokens=req.num_host_hit_tokens,
+        num_recomputed_tokens=req.num_recomputed_tokens,
+        queue_wait_s=req.queue_wait_s,
+        ttft_s=req.ttft_s or 0.0,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _status(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Turn exceptions into gRPC statuses: EngineError keeps its code, the rest are INTERNAL."""
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except EngineError as e:
+        await context.abort(grpc.StatusCode[e.code], str(e))
+    except Exception as e:
+        log.exception("unexpected error in an EngineNode handler")
+        await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+
+class EngineNodeServicer(engine_pb2_grpc.EngineNodeServicer):
+    """Serves one EngineCore; see the module docstring for the threading and error rules."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        metrics: EngineMetrics | None = None,
+        *,
+        watch_interval_s: float = 1.0,
+        watch_min_period_s: float = 0.05,
+    ) -> None:
+        self.core = core
+        self.metrics = metrics
+        self.watch_interval_s = watch_interval_s
+        self.watch_min_period_s = watch_min_period_s
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        """End open WatchCacheState streams now, so that a graceful stop need not wait out its grace."""
+        self._closing.set()
+
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        async with _status(context):
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[_Event] = asyncio.Queue()
+            no_events_yet = True
+
+            def on_event(req: Request, tokens: list[int], finished: bool) -> None:
+                nonlocal no_events_yet  # step thread only, one event at a time
+                first = _accounting(req) if no_events_yet else None
+                no_events_yet = False
+                with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
+                    loop.call_soon_threadsafe(
+                        queue.put_nowait, _Event(list(tokens), finished, req.finish_reason, first)
+                    )
+
+            _check_ids(request)
+            req = self.core.submit(
+                list(request.prompt_token_ids),
+                request.max_new_tokens,
+                session_id=request.session_id,
+                program_id=request.program_id,
+                request_id=request.request_id,
+                priority=request.priority if request.HasField("priority") else None,
+                stop_token_ids=list(request.stop_token_ids),
+                on_event=on_event,
+            )
+            finished = False
+            try:
+                while not finished:
+                    event = await queue.get()
+                    msg = event.first or engine_pb2.GenerateResponse()
+                    msg.token_ids.extend(event.tokens)
+                    while not event.finished and not queue.empty():  # coalesce what piled up
+                        event = queue.get_nowait()
+                        msg.token_ids.extend(event.tokens)
+                    finished = msg.finished = event.finished
+                    msg.finish_reason = event.finish_reason
+                    if finished and event.finish_reason == "abort":  # we did not cancel: a step failed
+                        err = self.core.step_error
+                        await context.abort(grpc.StatusCode.INTERNAL, f"engine step failed: {err!r}")
+                    yield msg
+            finally:
+                if not finished:  # the client went away (or the node stops): free the slot now
+                    self.core.abort(req.request_id)
+
+    async def PushHints(
+        self, request_iterator: AsyncIterator[engine_pb2.HintBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.HintAck]:
+        async for batch in request_iterator:
+            yield self._apply_batch(batch)
+
+    def _apply_batch(self, batch: engine_pb2.HintBatch) -> engine_pb2.HintAck:
+        """Decode leniently and apply; even an engine bug answers this batch rather than ending the stream."""
+        try:
+            decoded = batch_from_proto_lenient(batch)
+            results = self.core.apply_hints(decoded.hints)
+            if self.metrics is not None:
+                self.metrics.observe_hint_delivery(decoded.sent_unix_s)
+            return ack_to_proto(HintAck(batch_id=decoded.batch_id, results=results))
+        except Exception as e:
+            log.exception("applying hint batch %d failed", batch.batch_id)
+            msg = f"{type(e).__name__}: {e}"[:4000]
+            results = [HintResult(index=i, code="INTERNAL", message=msg) for i in range(len(batch.hints))]
+            return ack_to_proto(HintAck(batch_id=batch.batch_id, results=results))
+
+    async def WatchCacheState(
+        self, request: engine_pb2.WatchCacheStateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.CacheState]:
+        async with _status(context):
+            interval = request.interval_s
+            if not math.isfinite(interval) or interval < 0:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"interval_s must be >= 0, got {interval}"
+                )
+            interval = max(interval or self.watch_interval_s, self.watch_min_period_s)
+            while not self._closing.is_set():
+                state = self.core.cache_state(request.include_sessions)
+                yield cache_state_to_proto(state)
+                sent_at = time.monotonic()
+                # Poll the version: cheaper than a wakeup per step, and caps the rate at 1/min_period.
+                while not self._closing.is_set():
+                    left = sent_at + interval - time.monotonic()
+                    if left <= 0:
+                        break
+                    await asyncio.sleep(min(self.watch_min_period_s, left))
+                    if self.core.version != state.version:
+                        break
+
+    async def GetCacheState(
+        self, request: engine_pb2.WatchCacheStateRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.CacheState:
+        async with _status(context):
+            return cache_state_to_proto(self.core.cache_state(request.include_sessions))
+        raise AssertionError("unreachable: _status aborts")
+
+    async def ExportContext(
+        self, request: engine_pb2.ExportContextRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ContextBlob:
+        async with _status(context):
+            data = await asyncio.to_thread(
+                self.core.export_context, request.session_id, request.release_after
+            )
+            # Same field names on both sides: a field added to one and not the other fails loudly here.
+            return engine_pb2.ContextBlob(**{**vars(data), "shape": list(data.shape)})
+        raise AssertionError("unreachable: _status aborts")
+
+    async def ImportContext(
+        self, request: engine_pb2.ContextBlob, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ImportContextResponse:
+        async with _status(context):
+            data = ContextData(**{f.name: getattr(request, f.name) for f in dataclasses.fields(ContextData)})
+            data.token_ids, data.shape = list(data.token_ids), tuple(data.shape)
+            n_tokens, n_blocks = await asyncio.to_thread(self.core.import_context, data)
+            return engine_pb2.ImportContextResponse(
+                session_id=request.session_id, num_tokens=n_tokens, num_blocks=n_blocks
+            )
+        raise AssertionError("unreachable: _status aborts")
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+@dataclass
+class RunningNode:
+    """A serving node: gRPC server, engine step thread, and (optionally) the Prometheus HTTP server."""
+
+    core: EngineCore
+    server: grpc.aio.Server
+    servicer: EngineNodeServicer
+    health: health.aio.HealthServicer
+    metrics: EngineMetrics
+    host: str
+    port: int
+    metrics_port: int | None  # None: no metrics server
+    _http: tuple[Any, threading.Thread] | None = field(default=None, repr=False)
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def address(self) -> str:
+        return _join(self.host, self.port)
+
+    @property
+    def metrics_address(self) -> str | None:
+        return None if self.metrics_port is None else _join(self.host, self.metrics_port)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        """Say NOT_SERVING, end watch streams, let RPCs finish for ``grace`` s, then stop the engine."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        self.servicer.close()
+        await self.server.stop(grace)
+        if self._http is not None:
+            httpd, thread = self._http
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join(timeout=5)
+        await asyncio.to_thread(self.core.stop)
+
+
+async def start_node(
+    core: EngineCore, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0
+) -> RunningNode:
+    """Serve ``core`` on ``host:port`` (0: a free port); metrics on ``metrics_port`` (0: free, -1/None: off)."""
+    metrics = EngineMetrics.of(core)
+    server = grpc.aio.server(options=_OPTIONS)
+    servicer = EngineNodeServicer(core, metrics)
+    engine_pb2_grpc.add_EngineNodeServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    try:
+        bound = server.add_insecure_port(_join(host, port))
+    except RuntimeError as e:
+        raise OSError(f"cannot bind {_join(host, port)}: {e}") from None
+    if bound == 0:
+        raise OSError(f"cannot bind {_join(host, port)}")
+    http = None
+    if metrics_port is not None and metrics_port >= 0:
+        http = start_http_server(metrics_port, addr=host, registry=metrics.registry)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    core.start()
+    try:
+        await server.start()
+    except BaseException:
+        core.stop()
+        if http is not None:
+            http[0].shutdown()
+            http[0].server_close()
+        raise
+    mport = http[0].server_port if http is not None else None
+    return RunningNode(core, server, servicer, health_servicer, metrics, host, bound, mport, http)
