@@ -148,9 +148,9 @@ class ModeledExecutor:
         limit = {"device": self.num_device_blocks, "host": self.num_host_blocks}.get(tier)
         if limit is None:
             raise ValueError(f"tier must be 'device' or 'host', got {tier!r}")
-        bad = [b for b in block_ids if not 0 <= b < limit]
-        if bad:
-            raise ValueError(f"{tier} block id {bad[0]} out of range [0, {limit})")
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= limit):  # C-speed scan: tables are long
+            bad = next(b for b in block_ids if not 0 <= b < limit)
+            raise ValueError(f"{tier} block id {bad} out of range [0, {limit})")
 
     # -- raw KV transfer -----------------------------------------------------------------------------
 

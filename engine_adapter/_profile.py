@@ -1,12 +1,13 @@
 """Measure a TorchExecutor and fit a CostModel to it, so the modeled executor's clock is grounded.
 
 Each point is a real ``TorchExecutor.execute`` call: one-shot prefills, chunked prefills at an offset,
-decode steps of B sequences at a given context, and d2h/h2d copies of N blocks; one warm-up round, then
-the median of ``repeats`` interleaved rounds.  Coefficients come from ``numpy.linalg.lstsq`` on *relative*
-error (each row weighted by 1/t): step times span three orders of magnitude, and an unweighted fit lets the
-longest prefill decide everything and misses short steps by multiples (even with negative intercepts).
-A negative coefficient is clamped to 0 and the rest refit.  R² (on the unweighted times) and relative
-errors are kept in the JSON under ``fit``, with every raw sample, so a fit can be judged or redone.
+decode steps of B sequences at a given context, and d2h/h2d copies of N blocks; the median of ``repeats``
+interleaved rounds, each timed call right after an untimed one (see ``_measure``).  Coefficients come
+from ``numpy.linalg.lstsq`` on *relative* error (each row weighted by 1/t): step times span three orders
+of magnitude, and an unweighted fit lets the longest prefill decide everything and misses short steps by
+multiples (even with negative intercepts).  A negative coefficient is clamped to 0 and the rest refit.
+R² (on the unweighted times) and relative errors are kept in the JSON under ``fit``, with every raw
+sample, so a fit can be judged or redone.
 """
 
 from __future__ import annotations
@@ -122,13 +123,11 @@ def profile_torch_executor(
     )
     _validate(plan, cfg, repeats, threads)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
     if clock is None:
-        clock = (
-            "cpu" if torch.get_num_threads() == 1 and torch.device(device or "cpu").type == "cpu" else "wall"
-        )
+        clock = "cpu" if (threads or before) == 1 and _resolve(device).type == "cpu" else "wall"
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    torch.set_num_threads(threads or before)
     try:
         ex, batches, points = _build(plan, cfg, device)
         (progress or (lambda _m: None))(
@@ -275,4 +274,10 @@ def _hardware(device: torch.device) -> str:
     except OSError:
         pass
     threads = torch.get_num_threads()
-    return f"{cpu} CPU, {os.cpu_count()} cores, {threads} torch threads (torch {torch.__version__})"
+    plural = "" if threads == 1 else "s"
+    return f"{cpu} CPU, {os.cpu_count()} cores, {threads} torch thread{plural} (torch {torch.__version__})"
+
+
+def _resolve(device: str | None) -> torch.device:
+    """The device TorchExecutor will pick for ``device`` (None: CUDA when present)."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -257,7 +257,7 @@ def profile(
     t0 = time.perf_counter()
     try:
         cm = profile_torch_executor(
-            TorchModelConfig(**model),
+            TorchModelConfig(**model),  # inside the try: a bad size combination is a usage error
             repeats=repeats,
             quick=quick,
             device=device,
@@ -268,7 +268,10 @@ def profile(
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    cm.save(out)
+    try:
+        cm.save(out)
+    except OSError as e:
+        raise click.UsageError(f"cannot write {out}: {e.strerror or e}") from None
     fit = cm.fit or {}
     r2 = {part: fit.get(part, {}).get("r2", float("nan")) for part in ("prefill", "decode", "copy")}
     click.echo(
@@ -284,3 +287,50 @@ def profile(
 
 def main() -> None:
     hintflow(prog_name="hintflow")
+
+
+@engine.command("bench")
+@click.option("--sessions", type=click.IntRange(min=1), default=10_000, show_default=True, help="Live sessions.")
+@click.option("--context-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--running", "num_running", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=500, show_default=True)
+@click.option("--hints", "num_hints", type=click.IntRange(min=1), default=50_000, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Hints per batch.")
+@click.option("--cost-model", default="h100-llama3-8b", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench(as_json: bool, **kwargs: Any) -> None:
+    """Scheduler overhead per step and hint throughput with many live sessions (modeled executor)."""
+    import json
+
+    from engine_adapter._bench import run_bench
+
+    try:
+        result = run_bench(**kwargs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for k, v in result.items():
+            click.echo(f"{k:>24}: {v}")
+
+
+@hintflow.command("demo")
+@click.option("--programs", type=click.IntRange(min=1), default=12, show_default=True)
+@click.option("--turns", type=click.IntRange(min=2), default=8, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
+def demo(programs: int, turns: int, seed: int, json_out: str | None) -> None:
+    """Agent loops on a real engine node under memory pressure: vLLM-like behaviour, then with hints."""
+    import json
+
+    from hintflow._demo import DemoConfig, format_table, run_demo
+
+    click.echo(f"running {programs} coding-agent programs x {turns} turns, twice (about a minute)...", err=True)
+    result = run_demo(DemoConfig(programs=programs, turns=turns, seed=seed))
+    click.echo(format_table(result))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=2)
+        click.echo(f"wrote {json_out}", err=True)

@@ -1,0 +1,130 @@
+"""Continuum's pin TTL: how long keeping a context resident through a tool pause pays for itself.
+
+At a turn end whose next step is tool f, Continuum (arXiv 2511.02230) pins the context for::
+
+    tau* = argmax over tau in {0} ∪ S[f] of  ECDF_f(tau) * B - tau,    B = T * eta + PrefillReload(ctx)
+
+Per unit of memory held, a pin of length tau costs tau seconds of memory-time and, with probability
+ECDF_f(tau) (the tool returns before the pin expires), saves B seconds: the re-prefill of the context
+plus the queueing delay an evicted request suffers (T, discounted by eta, how strongly the turns a
+program has had predict that fewer remain).  Only the observed durations S[f] (and 0, "do not pin")
+can be optima, since the ECDF is flat between them.
+
+Closed form for the cold-start default, Exp(1) tools (times in units of the mean tool time):
+d/dtau [(1 - e^-tau) B - tau] = B e^-tau - 1 = 0 gives tau = ln B when B > 1, else 0 (the value is
+then decreasing from tau = 0).  For Exp(mean m) it is m ln(B / m).
+
+Renewal (:meth:`ContinuumTTL.ttl_remaining`): when a pin expires and the tool is still running, the
+same rule on the conditional distribution of T - t given T > t decides whether to pin again and for how
+long.  Under a heavy tail the conditional distribution spreads out as t grows (and, past the last
+sample, its extrapolated mean excess grows with t), so the chance of a return within any tau falls
+until no tau pays: a stuck tool cannot hold memory forever.
+
+eta = -Corr(k, N - k) over the (k, N - k) pairs of finished programs (k = 1..N turns served, N total).
+We clamp it to [0, 1]: a negative value would turn queueing delay into a reason not to pin, which the
+cost model does not support; until ``min_programs`` programs (with non-degenerate variance) have
+finished, eta = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from orchestrator._pause_model import PauseDistribution, PauseModel
+
+__all__ = ["ContinuumTTL", "continuum_tau"]
+
+
+def continuum_tau(dist: PauseDistribution, benefit_s: float) -> float:
+    """argmax over tau in {0} ∪ support(dist) of ECDF(tau) * benefit_s - tau; ties go to the shorter pin."""
+    if not math.isfinite(benefit_s):
+        raise ValueError(f"benefit_s must be finite, got {benefit_s}")
+    taus = dist.support()
+    values = dist.ecdf_array(taus) * benefit_s - taus
+    best = int(np.argmax(values)) if taus.size else -1
+    if best < 0 or values[best] <= dist.ecdf(0.0) * benefit_s:
+        return 0.0
+    return float(taus[best])
+
+
+class ContinuumTTL:
+    """Continuum's TTL rule with its online estimators of T (queueing delay) and eta (turn correlation)."""
+
+    def __init__(
+        self,
+        pause_model: PauseModel,
+        prefill_reload: Callable[[int], float],
+        *,
+        queue_window: int = 100,
+        min_programs: int = 10,
+    ) -> None:
+        """``prefill_reload(context_tokens)`` is the seconds to re-prefill a context of that length
+        (Continuum uses a profiled quadratic fit)."""
+        if queue_window < 1:
+            raise ValueError(f"queue_window must be >= 1, got {queue_window}")
+        self.pause_model = pause_model
+        self.prefill_reload = prefill_reload
+        self.min_programs = min_programs
+        self._queue_delays_s: deque[float] = deque(maxlen=queue_window)
+        # Exact integer moments of the (k, r = N - k) pairs; Python ints never lose precision.
+        self._num_programs = 0
+        self._n = self._sk = self._sr = self._skk = self._srr = self._skr = 0
+
+    # ---- T: sliding mean queueing delay of requests whose context had been evicted ---------------------
+    def observe_evicted_queue_delay(self, delay_s: float) -> None:
+        if not (delay_s >= 0.0 and math.isfinite(delay_s)):
+            raise ValueError(f"delay_s must be finite and >= 0, got {delay_s}")
+        self._queue_delays_s.append(float(delay_s))
+
+    @property
+    def queue_delay_s(self) -> float:
+        """T: 0 until any evicted request has been observed (Continuum's start)."""
+        q = self._queue_delays_s
+        return math.fsum(q) / len(q) if q else 0.0
+
+    # ---- eta: -Corr(k, N - k) over finished programs -------------------------------------------------
+    def observe_program_finished(self, num_turns: int) -> None:
+        """Add the pairs (k, N - k) for k = 1..N of a finished program with N = ``num_turns`` turns."""
+        if num_turns < 1:
+            raise ValueError(f"num_turns must be >= 1, got {num_turns}")
+        n = num_turns
+        sum_k = n * (n + 1) // 2
+        sum_kk = n * (n + 1) * (2 * n + 1) // 6
+        self._num_programs += 1
+        self._n += n
+        self._sk += sum_k
+        self._sr += n * n - sum_k  # sum of (N - k)
+        self._skk += sum_kk
+        self._srr += n * n * n - 2 * n * sum_k + sum_kk  # sum of (N - k)^2
+        self._skr += n * sum_k - sum_kk  # sum of k (N - k)
+
+    @property
+    def eta(self) -> float:
+        """-Corr(k, N - k) clamped to [0, 1]; 1 until ``min_programs`` programs give a defined value."""
+        if self._num_programs < self.min_programs:
+            return 1.0
+        n = self._n
+        var_k = n * self._skk - self._sk * self._sk
+        var_r = n * self._srr - self._sr * self._sr
+        if var_k <= 0 or var_r <= 0:
+            return 1.0
+        corr = (n * self._skr - self._sk * self._sr) / math.sqrt(var_k * var_r)
+        return min(max(-corr, 0.0), 1.0)
+
+    # ---- the rule ------------------------------------------------------------------------------------
+    def benefit_s(self, context_tokens: int) -> float:
+        """B = T * eta + PrefillReload(ctx): seconds a pin saves if the tool returns in time."""
+        return self.queue_delay_s * self.eta + float(self.prefill_reload(context_tokens))
+
+    def ttl(self, tool: str, context_tokens: int) -> float:
+        """tau* in seconds for a pause of ``tool`` that starts now (0 = do not pin)."""
+        return continuum_tau(self.pause_model.distribution(tool), self.benefit_s(context_tokens))
+
+    def ttl_remaining(self, tool: str, elapsed_s: float, context_tokens: int) -> float:
+        """tau* for a further pin, decided on T - t given T > t after ``elapsed_s`` of pause."""
+        dist = self.pause_model.distribution(tool).conditional(elapsed_s)
+        return continuum_tau(dist, self.benefit_s(context_tokens))
