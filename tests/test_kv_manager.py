@@ -241,3 +241,26 @@ def test_whole_prompt_cached_still_computes_one_token() -> None:
     s = park_context(kv, "a", toks(0, 8))
     plan = kv.plan_prefix(s, toks(0, 8))
     assert plan.num_hit_tokens < 8  # the last token's logits must come from a forward pass
+
+
+def test_prefetch_reloads_offloaded_context_before_return_without_evicting() -> None:
+    kv, clock = make_kv(8, host=8)
+    a = park_context(kv, "a", toks(0, 16))
+    b = park_context(kv, "b", toks(100, 16))
+    held = kv.allocate_device(4)  # a is evicted to host (LRU: the older one)
+    assert held is not None and len(a.host_block_ids) == 4
+    kv.take_copies()
+    kv.set_prefetch(a, 2.0)
+    kv.tick()
+    assert len(a.host_block_ids) == 4  # not due yet
+    for blk in held[:3]:
+        kv.device.unref(blk)  # three blocks come free
+    clock.advance(2.0)
+    assert kv.tick()
+    # Only free blocks were used: b kept its context, a got back what fit, in order.
+    assert len(b.block_ids) == 4 and len(a.block_ids) == 3 and len(a.host_block_ids) == 1
+    assert [op.kind for op in kv.take_copies()] == ["h2d"] * 3
+    plan = kv.plan_prefix(a, toks(0, 16) + [5])
+    assert plan.num_cached_tokens == 12 and plan.num_host_tokens == 4
+    kv.device.unref(held[3])
+    kv.check_invariants()
