@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 __all__ = [
+    "BatchChecker",
     "Clock",
     "CopyOp",
     "Executor",
@@ -147,3 +148,72 @@ class Executor(Protocol):
     def fingerprint(self) -> str:
         """Identifies model weights and KV layout: contexts move only between equal fingerprints."""
         ...
+
+
+class BatchChecker:
+    """Batch validation shared by the torch and modeled executors.
+
+    Both executors must reject the same scheduler bugs the same way (same checks, same messages):
+    otherwise a bug caught in a torch test could slip through a modeled simulation, or the reverse.
+    Subclasses set ``num_device_blocks``, ``num_host_blocks``, ``vocab_size``, ``max_model_len`` and
+    ``layout`` (its ``block_size`` sizes block tables), and implement ``_check_ids``.
+    """
+
+    num_device_blocks: int
+    num_host_blocks: int
+    vocab_size: int
+    max_model_len: int
+    layout: KVLayout
+
+    def _check_ids(self, tier: Literal["device", "host"], block_ids: list[int]) -> object:
+        """Raise ``ValueError`` unless every id is a valid block of ``tier``."""
+        raise NotImplementedError
+
+    def _check_copy(self, op: CopyOp) -> None:
+        if op.kind not in ("d2h", "h2d"):
+            raise ValueError(f"unknown copy kind {op.kind!r}")
+        src_n, dst_n = (
+            (self.num_device_blocks, self.num_host_blocks)
+            if op.kind == "d2h"
+            else (self.num_host_blocks, self.num_device_blocks)
+        )
+        if not (0 <= op.src < src_n and 0 <= op.dst < dst_n):
+            raise ValueError(f"{op.kind} copy {op.src}->{op.dst} out of range (src<{src_n}, dst<{dst_n})")
+
+    def _check_seqs(self, seqs: list[ScheduledSeq]) -> None:
+        """Per-seq checks, plus: no two seqs write new KV into the same block (a scheduler bug)."""
+        seen: set[str] = set()
+        writers: dict[int, str] = {}
+        bs = self.layout.block_size
+        for seq in seqs:
+            self._check_seq(seq, seen)
+            for b in seq.block_ids[seq.start_pos // bs : -(-(seq.start_pos + len(seq.token_ids)) // bs)]:
+                if writers.setdefault(b, seq.request_id) != seq.request_id:
+                    raise ValueError(f"requests {writers[b]!r} and {seq.request_id!r} both write block {b}")
+
+    def _check_seq(self, seq: ScheduledSeq, seen: set[str], check_blocks: bool = True) -> None:
+        rid, n = seq.request_id, len(seq.token_ids)
+        if rid in seen:
+            raise ValueError(f"request {rid!r} scheduled twice in one batch")
+        seen.add(rid)
+        if n == 0 or seq.start_pos < 0:
+            raise ValueError(
+                f"request {rid!r}: needs >= 1 token and start_pos >= 0 (start_pos={seq.start_pos})"
+            )
+        bad = [t for t in seq.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid!r}: token id {bad[0]} outside [0, {self.vocab_size})")
+        end = seq.start_pos + n
+        if end > self.max_model_len:
+            raise ValueError(f"request {rid!r}: {end} positions exceed max_model_len={self.max_model_len}")
+        if not check_blocks:
+            return
+        need = -(-end // self.layout.block_size)
+        if len(seq.block_ids) < need:
+            raise ValueError(
+                f"request {rid!r}: block table has {len(seq.block_ids)} blocks, "
+                f"positions [0, {end}) need {need}"
+            )
+        self._check_ids("device", seq.block_ids[:need])
+        if len(set(seq.block_ids[:need])) < need:
+            raise ValueError(f"request {rid!r}: block table repeats a block: {seq.block_ids[:need]}")

@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 
 from engine_adapter._cost_model import CostModel
-from engine_adapter._executor import CopyOp, KVLayout, ScheduledBatch, ScheduledSeq, StepOutput
+from engine_adapter._executor import BatchChecker, KVLayout, ScheduledBatch, ScheduledSeq, StepOutput
 
 __all__ = ["ModeledExecutor"]
 
@@ -29,7 +29,7 @@ Tier = Literal["device", "host"]
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
-class ModeledExecutor:
+class ModeledExecutor(BatchChecker):
     """Executor protocol implementation whose steps cost ``cost_model.step_time(batch)`` seconds."""
 
     name = "modeled"
@@ -95,54 +95,7 @@ class ModeledExecutor:
         digest = hashlib.blake2b(f"{self.seed}\0{seq.request_id}\0{pos}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") % self.vocab_size
 
-    # -- validation (mirrors TorchExecutor) ----------------------------------------------------------
-
-    def _check_copy(self, op: CopyOp) -> None:
-        if op.kind not in ("d2h", "h2d"):
-            raise ValueError(f"unknown copy kind {op.kind!r}")
-        src_n, dst_n = (
-            (self.num_device_blocks, self.num_host_blocks)
-            if op.kind == "d2h"
-            else (self.num_host_blocks, self.num_device_blocks)
-        )
-        if not (0 <= op.src < src_n and 0 <= op.dst < dst_n):
-            raise ValueError(f"{op.kind} copy {op.src}->{op.dst} out of range (src<{src_n}, dst<{dst_n})")
-
-    def _check_seqs(self, seqs: list[ScheduledSeq]) -> None:
-        """Per-seq checks, plus: no two seqs write new KV into the same block (a scheduler bug)."""
-        seen: set[str] = set()
-        writers: dict[int, str] = {}
-        bs = self.layout.block_size
-        for seq in seqs:
-            self._check_seq(seq, seen)
-            for b in seq.block_ids[seq.start_pos // bs : -(-(seq.start_pos + len(seq.token_ids)) // bs)]:
-                if writers.setdefault(b, seq.request_id) != seq.request_id:
-                    raise ValueError(f"requests {writers[b]!r} and {seq.request_id!r} both write block {b}")
-
-    def _check_seq(self, seq: ScheduledSeq, seen: set[str]) -> None:
-        rid, n = seq.request_id, len(seq.token_ids)
-        if rid in seen:
-            raise ValueError(f"request {rid!r} scheduled twice in one batch")
-        seen.add(rid)
-        if n == 0 or seq.start_pos < 0:
-            raise ValueError(
-                f"request {rid!r}: needs >= 1 token and start_pos >= 0 (start_pos={seq.start_pos})"
-            )
-        bad = [t for t in seq.token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid!r}: token id {bad[0]} outside [0, {self.vocab_size})")
-        end = seq.start_pos + n
-        if end > self.max_model_len:
-            raise ValueError(f"request {rid!r}: {end} positions exceed max_model_len={self.max_model_len}")
-        need = -(-end // self.layout.block_size)
-        if len(seq.block_ids) < need:
-            raise ValueError(
-                f"request {rid!r}: block table has {len(seq.block_ids)} blocks, "
-                f"positions [0, {end}) need {need}"
-            )
-        self._check_ids("device", seq.block_ids[:need])
-        if len(set(seq.block_ids[:need])) < need:
-            raise ValueError(f"request {rid!r}: block table repeats a block: {seq.block_ids[:need]}")
+    # -- validation (shared checks: BatchChecker) ----------------------------------------------------
 
     def _check_ids(self, tier: Tier, block_ids: list[int]) -> None:
         limit = {"device": self.num_device_blocks, "host": self.num_host_blocks}.get(tier)
