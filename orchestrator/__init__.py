@@ -1,4 +1,4 @@
-"""The orchestrator's policy core: pause model, Continuum TTL, program graphs and next-use prediction.
+"""The orchestrator's policy core: pause model, Continuum TTL, program graphs, next-use prediction, policies.
 
 Plain Python with no Temporal, gRPC, torch or engine_adapter import, so the same objects run live (from
 the Temporal interceptor) and in trace-driven replay on virtual time.
@@ -18,18 +18,50 @@ from orchestrator._pause_model import (
     PauseDistribution,
     PauseModel,
 )
+from orchestrator._policy import (
+    POLICIES,
+    ContinuumPolicy,
+    Event,
+    HintFlowPolicy,
+    HintPolicy,
+    KVFlowPolicy,
+    ProgramEnded,
+    ThunderAgentPolicy,
+    Tick,
+    ToolEnded,
+    ToolStarted,
+    TurnEnded,
+    TurnStarted,
+    VLLMDefaultPolicy,
+    get_policy,
+)
 from orchestrator._ttl import ContinuumTTL, continuum_tau
 
 __all__ = [
+    "POLICIES",
+    "ContinuumPolicy",
     "ContinuumTTL",
     "EmpiricalDistribution",
+    "Event",
     "ExponentialDistribution",
+    "HintFlowPolicy",
+    "HintPolicy",
     "JoinKind",
+    "KVFlowPolicy",
     "PauseDistribution",
     "PauseModel",
+    "ProgramEnded",
     "ProgramGraph",
     "ProgramState",
+    "ThunderAgentPolicy",
+    "Tick",
+    "ToolEnded",
+    "ToolStarted",
+    "TurnEnded",
+    "TurnStarted",
+    "VLLMDefaultPolicy",
     "continuum_tau",
+    "get_policy",
     "pause_tool",
     "shared_prefix_steps",
     "steps_to_execution",

@@ -1,0 +1,196 @@
+"""The event-to-hints policies on a scripted 3-turn program: what each registered policy sends, and when."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hints import EvictionOrder, Pin, Priority, Release
+from orchestrator._pause_model import PauseModel
+from orchestrator._policy import (
+    POLICIES,
+    HintPolicy,
+    ProgramEnded,
+    Tick,
+    ToolEnded,
+    ToolStarted,
+    TurnEnded,
+    TurnStarted,
+    get_policy,
+)
+
+P, S = "prog-1", "sess-1"
+
+
+def three_turn_program(ctx: int = 8000) -> list:
+    """turn (0-1) -> bash (1-3) -> turn (3-4) -> bash (4-6) -> turn (6-7) -> end."""
+    return [
+        TurnStarted(P, S, 0.0, ctx),
+        TurnEnded(P, S, 1.0, ctx),
+        ToolStarted(P, S, "bash", 1.0, ctx),
+        ToolEnded(P, S, "bash", 3.0, 2.0),
+        TurnStarted(P, S, 3.0, ctx),
+        TurnEnded(P, S, 4.0, ctx),
+        ToolStarted(P, S, "bash", 4.0, ctx),
+        ToolEnded(P, S, "bash", 6.0, 2.0),
+        TurnStarted(P, S, 6.0, ctx),
+        TurnEnded(P, S, 7.0, ctx),
+        ProgramEnded(P, 7.0, 3),
+    ]
+
+
+def run(policy: HintPolicy, events: list) -> list[tuple[object, list]]:
+    return [(ev, policy.on_event(ev)) for ev in events]
+
+
+def hints_at(trace: list[tuple[object, list]], event_type: type) -> list:
+    return [h for ev, hs in trace if isinstance(ev, event_type) for h in hs]
+
+
+def test_registry_and_protocol() -> None:
+    assert set(POLICIES) == {"vllm-default", "continuum", "kvflow", "thunderagent", "hintflow"}
+    for name in POLICIES:
+        policy = get_policy(name, pause_model=PauseModel(), prefill_reload=lambda n: 0.0)
+        assert isinstance(policy, HintPolicy)
+        assert policy.name == name
+
+
+def test_unknown_policy_lists_known_names() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'lru'") as info:
+        get_policy("lru")
+    for name in POLICIES:
+        assert name in str(info.value)
+
+
+def test_vllm_default_emits_nothing() -> None:
+    policy = get_policy("vllm-default")
+    trace = run(policy, [*three_turn_program(), Tick(8.0)])
+    assert all(hs == [] for _, hs in trace)
+
+
+def test_continuum_pins_when_reload_is_expensive() -> None:
+    policy = get_policy("continuum", prefill_reload=lambda n: 10.0)
+    trace = run(policy, three_turn_program())
+    pins = hints_at(trace, ToolStarted)
+    assert len(pins) == 2 and all(isinstance(p, Pin) for p in pins)
+    # cold start: Exp(1) tools, eta = 1, T = 0 -> tau = ln B
+    assert all(p.ttl_s > 0 and p.ttl_s == pytest.approx(math.log(10.0), abs=0.05) for p in pins)
+    prios = hints_at(trace, TurnStarted)
+    assert [type(h) for h in prios] == [Priority] * 3
+    assert [h.program_age_s for h in prios] == [0.0, 3.0, 6.0]
+    assert hints_at(trace, ProgramEnded) == [Release(program_id=P)]
+    assert not any(isinstance(h, EvictionOrder) for _, hs in trace for h in hs)
+    assert policy.num_invalid_hints == 0
+
+
+def test_continuum_does_not_pin_when_reload_is_free() -> None:
+    policy = get_policy("continuum", prefill_reload=lambda n: 0.0)
+    pins = [h for h in hints_at(run(policy, three_turn_program()), ToolStarted) if isinstance(h, Pin)]
+    assert all(p.ttl_s == 0.0 for p in pins)
+
+
+def test_continuum_learns_pauses_and_renews_on_tick() -> None:
+    pm = PauseModel(min_samples=1)
+    policy = get_policy("continuum", pause_model=pm, prefill_reload=lambda n: 10.0)
+    run(policy, three_turn_program())
+    assert pm.num_samples("bash") == 2  # ToolEnded fed the pause model
+    assert policy.ttl._num_programs == 1  # ProgramEnded fed eta
+
+    pm2 = PauseModel()  # Exp(1): memoryless, so a renewal asks for the same tau again
+    policy = get_policy("continuum", pause_model=pm2, prefill_reload=lambda n: 10.0)
+    [pin] = policy.on_event(ToolStarted(P, S, "bash", 0.0, 100))
+    assert policy.on_event(Tick(pin.ttl_s / 2)) == []  # still held: nothing to do
+    [renewed] = policy.on_event(Tick(pin.ttl_s + 0.1))
+    assert isinstance(renewed, Pin) and renewed.ttl_s == pytest.approx(pin.ttl_s)
+
+
+def test_continuum_drops_pin_when_renewal_no_longer_pays() -> None:
+    pm = PauseModel(min_samples=1)
+    for d in [1.0, 1.0, 1.0, 50.0]:
+        pm.observe("bash", d)
+    policy = get_policy("continuum", pause_model=pm, prefill_reload=lambda n: 5.0)
+    [pin] = policy.on_event(ToolStarted(P, S, "bash", 0.0, 100))
+    assert pin.ttl_s == 1.0
+    # after 1.5 s only the 50 s sample is left: waiting 48.5 s more for a 5 s saving does not pay
+    [drop] = policy.on_event(Tick(1.5))
+    assert isinstance(drop, Pin) and drop.ttl_s == 0.0
+    assert policy.on_event(Tick(3.0)) == []  # dropped once, not every tick
+
+
+def test_kvflow_orders_parked_sessions_without_pins() -> None:
+    policy = get_policy("kvflow")
+    trace = run(policy, three_turn_program())
+    hints = [h for _, hs in trace for h in hs]
+    assert not any(isinstance(h, Pin | Priority) for h in hints)
+    orders = [h for h in hints if isinstance(h, EvictionOrder)]
+    assert orders and all(e.session_id == S and e.next_use_s > 0 for o in orders for e in o.entries)
+    assert hints[-1] == Release(program_id=P)
+
+
+def test_thunderagent_priority_and_release_only() -> None:
+    trace = run(get_policy("thunderagent", prefill_reload=lambda n: 10.0), three_turn_program())
+    kinds = [type(h) for _, hs in trace for h in hs]
+    assert kinds == [Priority, Priority, Priority, Release]
+
+
+def test_hintflow_full_program() -> None:
+    policy = get_policy("hintflow", prefill_reload=lambda n: 10.0)
+    trace = run(policy, three_turn_program())
+    at_tool = hints_at(trace, ToolStarted)
+    assert [type(h) for h in at_tool] == [Pin, EvictionOrder] * 2
+    assert at_tool[0].ttl_s > 0
+    assert at_tool[1].entries[0].session_id == S
+    assert at_tool[1].entries[0].next_use_s == pytest.approx(1.0)  # Exp(1) default: remaining = mean
+    assert [type(h) for h in hints_at(trace, TurnStarted)] == [Priority] * 3
+    assert hints_at(trace, ProgramEnded) == [Release(program_id=P)]
+
+
+def test_hintflow_resends_eviction_order_only_when_prediction_changes() -> None:
+    pm = PauseModel(min_samples=1)
+    for d in [1.0, 10.0]:
+        pm.observe("bash", d)
+    policy = get_policy("hintflow", pause_model=pm, prefill_reload=lambda n: 0.0)
+    hints = policy.on_event(ToolStarted(P, S, "bash", 0.0, 100))
+    [order] = [h for h in hints if isinstance(h, EvictionOrder)]
+    assert order.entries[0].next_use_s == pytest.approx(5.5)
+    # at 0.5 s the prediction is 5.0 s: the same moment (5.5) as already sent -> nothing re-sent
+    assert [h for h in policy.on_event(Tick(0.5)) if isinstance(h, EvictionOrder)] == []
+    # at 2 s only the 10 s sample remains: next use moves from 5.5 to 10 -> re-sent
+    [update] = [h for h in policy.on_event(Tick(2.0)) if isinstance(h, EvictionOrder)]
+    assert update.entries[0].next_use_s == pytest.approx(8.0)
+    assert [h for h in policy.on_event(Tick(2.5)) if isinstance(h, EvictionOrder)] == []
+    # once the tool ended the session is no longer predicted
+    policy.on_event(ToolEnded(P, S, "bash", 3.0, 3.0))
+    assert policy.on_event(Tick(20.0)) == []
+
+
+def test_hintflow_tick_with_default_model_is_incremental() -> None:
+    policy = get_policy("hintflow", prefill_reload=lambda n: 0.0)
+    policy.on_event(ToolStarted(P, S, "bash", 0.0, 100))
+    assert policy.on_event(Tick(0.05)) == []  # memoryless: drifted 0.05 s of 1 s
+    assert len(policy.on_event(Tick(0.5))) == 1  # drifted 0.5 s: re-sent
+
+
+@pytest.mark.parametrize("name", ["continuum", "hintflow"])
+def test_nan_reload_drops_pins_and_counts_them(name: str, caplog: pytest.LogCaptureFixture) -> None:
+    policy = get_policy(name, prefill_reload=lambda n: math.nan)
+    trace = run(policy, three_turn_program())
+    hints = [h for _, hs in trace for h in hs]
+    assert not any(isinstance(h, Pin) for h in hints)
+    assert policy.num_invalid_hints == 2
+    assert "dropped an invalid Pin" in caplog.text
+    assert hints[-1] == Release(program_id=P)  # the rest still flows
+    if name == "hintflow":
+        assert sum(isinstance(h, EvictionOrder) for h in hints) == 2
+
+
+def test_negative_prediction_is_dropped_not_sent() -> None:
+    class BrokenModel(PauseModel):
+        def expected_remaining(self, tool: str, elapsed_s: float) -> float:
+            return -1.0
+
+    policy = get_policy("hintflow", pause_model=BrokenModel(), prefill_reload=lambda n: 10.0)
+    hints = policy.on_event(ToolStarted(P, S, "bash", 0.0, 100))
+    assert [type(h) for h in hints] == [Pin]
+    assert policy.num_invalid_hints == 1
