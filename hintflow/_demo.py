@@ -85,12 +85,10 @@ async def _run_mode(mode: str, cfg: DemoConfig) -> ModeResult:
     core = EngineCore(ex, retain_contexts=hinted, eviction_policy="hinted" if hinted else "lru",
                       pin_budget_fraction=0.6, node_id=f"demo-{mode}")
     node = await start_node(core, metrics_port=-1)
-    rng = random.Random(cfg.seed)
     pause_samples = sorted(_pause_s(random.Random(cfg.seed + 1), cfg) for _ in range(2000))
     ttl_s = pause_samples[int(0.9 * len(pause_samples))]
     result = ModeResult()
     stop = asyncio.Event()
-    t_start = time.monotonic()
 
     async def program(i: int, client: EngineClient) -> None:
         prng = random.Random(cfg.seed * 1000 + i)
@@ -138,7 +136,6 @@ async def _run_mode(mode: str, cfg: DemoConfig) -> ModeResult:
     finally:
         await node.stop()
     core.check_invariants()
-    _ = rng, t_start
     return result
 
 
