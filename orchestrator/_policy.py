@@ -154,6 +154,7 @@ class _BasePolicy:
     """Event dispatch, per-program/session bookkeeping and safe hint construction."""
 
     name = "base"
+    default_renew_ahead_s = 0.0
 
     def __init__(
         self,
@@ -161,11 +162,14 @@ class _BasePolicy:
         prefill_reload: Callable[[int], float] = _default_reload,
         *,
         rel_change: float = 0.1,
+        renew_ahead_s: float | None = None,
     ) -> None:
         self.pause_model = pause_model if pause_model is not None else PauseModel()
         self.prefill_reload = prefill_reload
         self.ttl = ContinuumTTL(self.pause_model, prefill_reload)
         self.rel_change = rel_change
+        # Renew a pin this long before it lapses (the Tick period), so a renewed lease never has a gap.
+        self.renew_ahead_s = self.default_renew_ahead_s if renew_ahead_s is None else renew_ahead_s
         self.num_invalid_hints = 0
         self._program_start_s: dict[str, float] = {}
         self._parked: dict[str, _Parked] = {}
@@ -183,8 +187,13 @@ class _BasePolicy:
             return None
 
     def _pin(self, session_id: str, ttl: Callable[[], float], reason: str) -> Pin | None:
+        def lease() -> float:
+            # A lease shorter than the re-decision period would lapse between two decisions to keep it.
+            t = ttl()
+            return max(t, self.renew_ahead_s) if t > 0.0 else t
+
         return self._safe(
-            lambda: Pin(session_id=session_id, ttl_s=_cap(ttl(), MAX_PIN_TTL_S), reason=reason),
+            lambda: Pin(session_id=session_id, ttl_s=_cap(lease(), MAX_PIN_TTL_S), reason=reason),
             f"Pin({session_id})",
         )
 
@@ -234,6 +243,12 @@ class _BasePolicy:
     def _release(self, ev: ProgramEnded) -> list[HintModel]:
         hint = self._safe(lambda: Release(program_id=ev.program_id), f"Release({ev.program_id})")
         return [hint] if hint is not None else []
+
+    def note_program_start(self, program_id: str, start_s: float) -> None:
+        """Date a program from its submission (same clock as events' ``now_s``) rather than its first event,
+        so program-level FCFS counts the time a program waited before it first ran."""
+        if math.isfinite(start_s):
+            self._program_start_s.setdefault(program_id, start_s)
 
     # -- dispatch -------------------------------------------------------------------------------------
     def on_event(self, event: Event) -> list[HintModel]:
@@ -335,7 +350,7 @@ class ContinuumPolicy(_BasePolicy):
     def _renew_pins(self, now_s: float) -> list[HintModel]:
         out: list[HintModel] = []
         for sid, p in self._parked.items():
-            if p.tool is None or p.pin_expiry_s is None or now_s < p.pin_expiry_s:
+            if p.tool is None or p.pin_expiry_s is None or now_s + self.renew_ahead_s < p.pin_expiry_s:
                 continue
             tool, elapsed, ctx = p.tool, max(now_s - p.started_s, 0.0), p.context_tokens
             pin = self._pin(
@@ -460,6 +475,7 @@ class HintFlowPolicy(ContinuumPolicy):
     """
 
     name = "hintflow"
+    default_renew_ahead_s = 0.1  # two ticks of the live runtime: leases are renewed before they lapse
 
     def _predictions(self, now_s: float) -> dict[str, Callable[[], float]]:
         out: dict[str, Callable[[], float]] = {}

@@ -1,0 +1,74 @@
+"""hintflow's Temporal SDK: helpers for workflow code and the plugin that connects a worker to engine nodes.
+
+Workflow code (runs in the sandbox; imports nothing heavy)::
+
+    from workflows import llm, tool, session, pause
+
+Worker/client side::
+
+    from workflows import HintflowPlugin
+    client = await Client.connect(address, plugins=[HintflowPlugin(engines=["host:port"])])
+
+Worker-side names are loaded on first use so that workflow code never imports grpc.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from workflows._api import (
+    LLMInput,
+    LLMResult,
+    PauseInput,
+    ProgramEndInput,
+    ToolInput,
+    ToolResult,
+    current_session,
+    decode_text,
+    encode_text,
+    llm,
+    pause,
+    session,
+    tool,
+)
+
+_LAZY = {
+    "HintflowPlugin": "workflows._plugin",
+    "HintflowInterceptor": "workflows._plugin",
+    "HintflowActivities": "workflows._plugin",
+    "HintRuntime": "workflows._runtime",
+    "ProgramStats": "workflows._runtime",
+    "EngineUnavailable": "workflows._runtime",
+    "HintPublisher": "workflows._publisher",
+}
+
+__all__ = [
+    "EngineUnavailable",
+    "HintPublisher",
+    "HintRuntime",
+    "HintflowActivities",
+    "HintflowInterceptor",
+    "HintflowPlugin",
+    "LLMInput",
+    "LLMResult",
+    "PauseInput",
+    "ProgramEndInput",
+    "ProgramStats",
+    "ToolInput",
+    "ToolResult",
+    "current_session",
+    "decode_text",
+    "encode_text",
+    "llm",
+    "pause",
+    "session",
+    "tool",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'workflows' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,318 @@
+"""Which engine node serves a turn: warm-but-busy versus cold-but-idle, priced in seconds.
+
+A node holding a session's KV (or a prefix shared across sessions) saves recomputing it, but if its queue
+is long the turn waits longer there than a cold node takes to recompute. So each candidate is priced::
+
+    cost = wait + prefill_s(context - warm, warm) + host_reload_s_per_token * warm_on_host
+    wait = backlog_s + Σ pending prefill_s + decode_s_per_running_seq * (num_running + num_pending)
+
+``backlog_s`` spreads ``prefill_backlog_tokens`` evenly over the ``num_waiting`` requests (priced as one long
+prompt, the quadratic term would overcharge it). *Pending* turns are those this router sent
+(:meth:`Router.started`) that the node's :class:`~hints.CacheState` cannot show yet; without them a hot
+prefix or session piles every turn onto one node between state updates. One is dropped at
+:meth:`Router.finished`, or once the node reports a version later than the one known when it was sent
+(assumed to include it: simple, and at worst one update early).
+
+:class:`Router` is the mechanism; the rule is a small :class:`RoutingPolicy` from :data:`ROUTING_POLICIES`
+(baselines too: llm-d, round-robin, session). Plain Python: no Temporal, gRPC, torch or engine_adapter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from hints import CacheState, SessionResidency
+
+__all__ = [
+    "ROUTING_POLICIES",
+    "NoNodeAvailable",
+    "NodeView",
+    "RouteDecision",
+    "RouteRequest",
+    "Router",
+    "RoutingPolicy",
+    "default_prefill_s",
+    "get_routing_policy",
+]
+
+
+def default_prefill_s(num_new_tokens: int, num_cached_tokens: int) -> float:
+    """Prefill ``n`` new tokens after ``p`` cached ones: ``b·n + c·((p+n)² − p²)``, an 8B model on an A100.
+
+    Same shape as the engine's profiled cost model (``b`` = 1.4e-4 s/token, ``c`` = 1.4e-9 s/token²; the
+    quadratic term is attention over the cached prefix). Pass the node's real model for real numbers.
+    """
+    n, p = num_new_tokens, num_cached_tokens
+    if n < 0 or p < 0:
+        raise ValueError(f"prefill_s needs non-negative token counts, got new={n}, cached={p}")
+    return 1.4e-4 * n + 1.4e-9 * ((p + n) ** 2 - p**2)
+
+
+class NoNodeAvailable(RuntimeError):
+    """No known, non-excluded node can take the turn (none registered, all removed or excluded)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One turn to place: its session, its full prompt length, and optionally a prefix shared by sessions."""
+
+    session_id: str
+    program_id: str
+    context_tokens: int
+    prefix_key: str = ""
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "session_id must not be empty": bool(self.session_id),
+            "context_tokens must be >= 0": self.context_tokens >= 0,
+            "need 0 <= prefix_tokens <= context_tokens": 0 <= self.prefix_tokens <= self.context_tokens,
+            "prefix_tokens > 0 needs a prefix_key": bool(self.prefix_key) or not self.prefix_tokens,
+        }
+        if failed := [problem for problem, ok in checks.items() if not ok]:
+            raise ValueError(f"bad RouteRequest ({'; '.join(failed)}): {self!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """What a policy sees of one candidate node for one request (all computed by the router)."""
+
+    address: str
+    warm_tokens: int  # tokens of this request expected resident there (device + host)
+    host_tokens: int  # the part of warm_tokens on host memory, paying a reload
+    wait_s: float  # expected queueing before this turn's prefill starts
+    cost_s: float  # wait_s + recompute of the non-resident part + host reload
+    kv_utilization: float
+    num_queued: int  # waiting + running + this router's pending turns
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where the turn goes and why; ``moved_from`` names the node the session left (unpin it there)."""
+
+    address: str
+    reason: str  # hintflow: warm, cold, cold-cheaper; session: sticky, least-loaded; only-node; policy name
+    expected_s: dict[str, float]  # per candidate address: the router's cost_s, whatever the policy
+    warm_tokens: int
+    moved_from: str | None = None
+    notes: tuple[str, ...] = ()
+
+
+Pick = tuple[NodeView, str]  # a policy's answer: the chosen node and a short reason for logs and metrics
+
+
+class RoutingPolicy(Protocol):
+    """Picks one of ``nodes`` (sorted by address, never empty); ``home`` is where the session last went."""
+
+    name: str
+
+    def pick(self, req: RouteRequest, nodes: Sequence[NodeView], home: str | None) -> Pick: ...
+
+
+class HintFlowRouting:
+    """Cheapest expected time to first token; ties to the shorter wait, then the address."""
+
+    name = "hintflow"
+
+    def pick(self, req: RouteRequest, nodes: Sequence[NodeView], home: str | None) -> Pick:
+        best = min(nodes, key=lambda v: (v.cost_s, v.wait_s, v.address))
+        most_warm = max(v.warm_tokens for v in nodes)
+        return best, "cold" if not most_warm else "warm" if best.warm_tokens == most_warm else "cold-cheaper"
+
+
+class RoundRobinRouting:
+    """vLLM production-stack baseline: the next address in turn, blind to cache and load."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turns = itertools.count()
+
+    def pick(self, req: RouteRequest, nodes: Sequence[NodeView], home: str | None) -> Pick:
+        return nodes[next(self._turns) % len(nodes)], "round-robin"
+
+
+class SessionAffinityRouting:
+    """Session-affinity baseline: stay where the session went before, else the shortest wait."""
+
+    name = "session"
+
+    def pick(self, req: RouteRequest, nodes: Sequence[NodeView], home: str | None) -> Pick:
+        for view in nodes:
+            if view.address == home:
+                return view, "sticky"
+        return min(nodes, key=lambda v: (v.wait_s, v.address)), "least-loaded"
+
+
+class LlmdRouting:
+    """llm-d precise prefix routing: max of 2·warm_fraction + (1 − kv_util) + (1 − queue/max_queue)."""
+
+    name = "llm-d"
+
+    def pick(self, req: RouteRequest, nodes: Sequence[NodeView], home: str | None) -> Pick:
+        max_queue = max(v.num_queued for v in nodes)
+
+        def score(v: NodeView) -> float:
+            warm = v.warm_tokens / req.context_tokens if req.context_tokens else 0.0
+            queue = 1.0 - v.num_queued / max_queue if max_queue else 1.0
+            return 2.0 * warm + (1.0 - v.kv_utilization) + queue
+
+        return min(nodes, key=lambda v: (-score(v), v.address)), "llm-d"
+
+
+ROUTING_POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (HintFlowRouting, RoundRobinRouting, SessionAffinityRouting, LlmdRouting)
+}
+"""Registered routing rules by name; each class takes no arguments."""
+
+
+def get_routing_policy(name: str) -> RoutingPolicy:
+    """Build the routing policy registered as ``name``; ValueError listing the known names otherwise."""
+    cls = ROUTING_POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(ROUTING_POLICIES))}")
+    return cls()
+
+
+def _seconds(what: str, value: float) -> float:
+    """A duration or rate the router adds up: NaN or a negative would silently win (or lose) every turn."""
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"{what} must be finite and >= 0, got {value}")
+    return value
+
+
+@dataclass(slots=True)
+class _Pending:
+    new_tokens: int
+    cached_tokens: int
+    seen_version: int  # the node's state version when the turn was sent
+
+
+@dataclass(slots=True)
+class _Node:
+    state: CacheState
+    updated_s: float
+    pending: dict[str, _Pending]  # by session: one turn in flight each
+    residency: dict[str, SessionResidency]
+
+
+class Router:
+    """Latest state per node, this router's in-flight turns, and where prefixes and sessions went.
+
+    ``prefill_s(num_new, num_cached)`` defaults to :func:`default_prefill_s`; the host reload default is a
+    16-token block over PCIe Gen4 (~1.3e-4 s); each running sequence slows the steps a new turn shares.
+    """
+
+    def __init__(
+        self,
+        prefill_s: Callable[[int, int], float] | None = None,
+        *,
+        policy: str | RoutingPolicy = "hintflow",
+        host_reload_s_per_token: float = 8e-6,
+        decode_s_per_running_seq: float = 2e-3,
+        stale_after_s: float = 5.0,
+    ) -> None:
+        self.prefill_s = prefill_s if prefill_s is not None else default_prefill_s
+        self.policy = get_routing_policy(policy) if isinstance(policy, str) else policy
+        self.host_reload_s_per_token = _seconds("host_reload_s_per_token", host_reload_s_per_token)
+        self.decode_s_per_running_seq = _seconds("decode_s_per_running_seq", decode_s_per_running_seq)
+        self.stale_after_s = _seconds("stale_after_s", stale_after_s)
+        self._nodes: dict[str, _Node] = {}
+        self._prefix_nodes: dict[str, set[str]] = {}  # prefix_key -> nodes it was sent to
+        self._session_node: dict[str, str] = {}  # session -> node it was last sent to
+
+    def update(self, address: str, state: CacheState, now_s: float) -> None:
+        """Take a node's latest state; a restart (new node_id, or version going back) forgets its prefixes
+        and pending turns, and a later version drops the pending turns it is assumed to include."""
+        if not address:
+            raise ValueError("update needs a non-empty node address")
+        old = self._nodes.get(address)
+        pending: dict[str, _Pending] = {}
+        if old is not None and (state.node_id != old.state.node_id or state.version < old.state.version):
+            self._forget_prefixes(address)
+        elif old is not None:
+            pending = {s: p for s, p in old.pending.items() if p.seen_version >= state.version}
+        self._nodes[address] = _Node(state, now_s, pending, {r.session_id: r for r in state.sessions})
+
+    def remove(self, address: str) -> None:
+        """Forget a node that is gone or unreachable: it is never chosen again until updated anew."""
+        self._nodes.pop(address, None)
+        self._forget_prefixes(address)
+
+    def choose(self, req: RouteRequest, now_s: float, exclude: Collection[str] = ()) -> RouteDecision:
+        """Pick a node for ``req`` by the policy; records nothing (:meth:`started` does)."""
+        candidates = [a for a in sorted(self._nodes) if a not in exclude]
+        if not candidates:
+            known, excluded = sorted(self._nodes) or "none", sorted(exclude) or "none"
+            raise NoNodeAvailable(
+                f"no engine node for session {req.session_id!r}: known {known}, excluded {excluded}"
+            )
+        views = [self._view(a, req) for a in candidates]
+        home = self._session_node.get(req.session_id)
+        chosen, reason = self.policy.pick(req, views, home)
+        ages_s = {a: now_s - self._nodes[a].updated_s for a in candidates}
+        notes = tuple(f"state of {a} is {t:.1f} s old" for a, t in ages_s.items() if t > self.stale_after_s)
+        return RouteDecision(
+            address=chosen.address,
+            reason="only-node" if len(views) == 1 else reason,
+            expected_s={v.address: v.cost_s for v in views},
+            warm_tokens=chosen.warm_tokens,
+            moved_from=home if home is not None and home != chosen.address else None,
+            notes=notes,
+        )
+
+    def started(self, address: str, req: RouteRequest) -> None:
+        """The turn was sent to ``address``: count it as pending there (only there: a session has one turn in
+        flight, so a retry elsewhere replaces it), remember its session and prefix. A node removed since
+        :meth:`choose` (a race with health checks) has nothing to track but the session's placement."""
+        self._session_node[req.session_id] = address
+        for other in self._nodes.values():
+            other.pending.pop(req.session_id, None)
+        if (node := self._nodes.get(address)) is None:
+            return
+        warm = self._warm(address, req)[0]
+        node.pending[req.session_id] = _Pending(req.context_tokens - warm, warm, node.state.version)
+        if req.prefix_key:
+            self._prefix_nodes.setdefault(req.prefix_key, set()).add(address)
+
+    def finished(self, address: str, session_id: str) -> None:
+        """The session's turn on ``address`` ended; drop its pending prefill (a no-op if already dropped)."""
+        if (node := self._nodes.get(address)) is not None:
+            node.pending.pop(session_id, None)
+
+    def _prefill(self, num_new: int, num_cached: int) -> float:
+        if num_new == 0:
+            return 0.0
+        return _seconds(f"prefill_s({num_new}, {num_cached})", float(self.prefill_s(num_new, num_cached)))
+
+    def _warm(self, address: str, req: RouteRequest) -> tuple[int, int]:
+        """(warm tokens, of which on host): the session's residency there, or the shared prefix if sent there
+        (assumed on device and the start of the session's context, so it overlaps the session's tokens)."""
+        res = self._nodes[address].residency.get(req.session_id)
+        device, host = (res.device_tokens, res.host_tokens) if res is not None else (0, 0)
+        if req.prefix_key and address in self._prefix_nodes.get(req.prefix_key, ()):
+            device = max(device, req.prefix_tokens)
+        device = min(device, req.context_tokens)
+        host = min(host, req.context_tokens - device)
+        return device + host, host
+
+    def _view(self, address: str, req: RouteRequest) -> NodeView:
+        node, st = self._nodes[address], self._nodes[address].state
+        backlog_s = 0.0
+        if st.prefill_backlog_tokens:
+            num_waiting = max(st.num_waiting, 1)
+            backlog_s = num_waiting * self._prefill(math.ceil(st.prefill_backlog_tokens / num_waiting), 0)
+        pending_s = sum(self._prefill(p.new_tokens, p.cached_tokens) for p in node.pending.values())
+        wait_s = backlog_s + pending_s + self.decode_s_per_running_seq * (st.num_running + len(node.pending))
+        warm, host = self._warm(address, req)
+        cost_s = wait_s + self._prefill(req.context_tokens - warm, warm) + self.host_reload_s_per_token * host
+        num_queued = st.num_waiting + st.num_running + len(node.pending)
+        return NodeView(address, warm, host, wait_s, cost_s, st.kv_utilization, num_queued)
+
+    def _forget_prefixes(self, address: str) -> None:
+        for nodes in self._prefix_nodes.values():
+            nodes.discard(address)

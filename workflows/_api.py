@@ -1,0 +1,256 @@
+"""What a workflow author calls: ``llm``, ``tool``, ``session`` and ``pause``, plus the activity payloads.
+
+These run inside Temporal's workflow sandbox, so this module imports only ``temporalio.workflow`` and the
+standard library (no grpc, torch or engine code).  Each helper starts an activity; the worker-side
+interceptor sees that activity start and finish and turns it into program events for the hint policy:
+
+    llm(...)   -> activity "hintflow.llm"   -> TurnStarted / TurnEnded
+    tool(...)  -> activity "hintflow.tool"  -> ToolStarted / ToolEnded   (or any activity of yours)
+    pause(...) -> local activities around a wait (a human, a timer) -> ToolStarted / ToolEnded
+
+The program is the workflow (``program_id`` = workflow id).  Sessions (one continuing KV context each)
+default to the workflow id; a multi-agent workflow names them with ``with session("planner"): ...``,
+which also tags any activity started inside it, so tools written by the user need no change.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
+
+__all__ = [
+    "DEFAULT_LLM_RETRY",
+    "LLM_ACTIVITY",
+    "PAUSE_ENDED_ACTIVITY",
+    "PAUSE_STARTED_ACTIVITY",
+    "PROGRAM_END_ACTIVITY",
+    "TOOL_ACTIVITY",
+    "LLMInput",
+    "LLMResult",
+    "PauseInput",
+    "ProgramEndInput",
+    "ToolInput",
+    "ToolResult",
+    "current_session",
+    "current_tool",
+    "decode_text",
+    "encode_text",
+    "llm",
+    "pause",
+    "session",
+    "tool",
+]
+
+LLM_ACTIVITY = "hintflow.llm"
+TOOL_ACTIVITY = "hintflow.tool"
+PAUSE_STARTED_ACTIVITY = "hintflow.pause_started"
+PAUSE_ENDED_ACTIVITY = "hintflow.pause_ended"
+PROGRAM_END_ACTIVITY = "hintflow.program_end"
+
+# Header keys the workflow interceptor stamps on every activity it starts.
+SESSION_HEADER = "hintflow-session"
+TOOL_HEADER = "hintflow-tool"
+SUBMITTED_HEADER = "hintflow-submitted-unix-s"
+
+DEFAULT_LLM_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=0.5),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=5),
+    non_retryable_error_types=["InvalidPrompt"],
+)
+"""No node reachable is retried (with backoff, until the schedule-to-close timeout); a bad prompt is not."""
+
+
+# ---- payloads (one dataclass per activity) -----------------------------------------------------------
+@dataclass
+class LLMInput:
+    session_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int = 16
+    prefix_key: str = ""  # a prefix shared across sessions (e.g. a role's fixed system prompt)
+    prefix_tokens: int = 0
+
+
+@dataclass
+class LLMResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    node: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # resident on the device: prefill skipped
+    num_host_hit_tokens: int = 0  # reloaded from the host tier
+    num_recomputed_tokens: int = 0  # computed before by this session, lost to eviction
+    queue_wait_s: float = 0.0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+
+
+@dataclass
+class ToolInput:
+    session_id: str
+    name: str
+    duration_s: float = 0.0  # simulated run time
+    output_tokens: int = 0  # tokens the tool returns (appended to the context by the caller)
+    seed: int = 0
+    vocab_size: int = 256
+
+
+@dataclass
+class ToolResult:
+    name: str
+    output_token_ids: list[int] = field(default_factory=list)
+    duration_s: float = 0.0
+
+
+@dataclass
+class PauseInput:
+    session_id: str
+    name: str
+
+
+@dataclass
+class ProgramEndInput:
+    program_id: str
+    status: str = "completed"  # "completed" | "failed" | "cancelled"
+
+
+# ---- tokens ------------------------------------------------------------------------------------------
+def encode_text(text: str) -> list[int]:
+    """Byte-level tokens (ids 0-255): every engine vocabulary of at least 256 ids accepts them."""
+    return list(text.encode("utf-8"))
+
+
+def decode_text(token_ids: Sequence[int]) -> str:
+    return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+# ---- session and tool context ------------------------------------------------------------------------
+_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("hintflow_session", default=None)
+_tool: contextvars.ContextVar[str | None] = contextvars.ContextVar("hintflow_tool", default=None)
+
+
+def current_session() -> str:
+    """The session named by the innermost ``session(...)``, else the workflow id (one session per program)."""
+    name = _session.get()
+    return name if name is not None else workflow.info().workflow_id
+
+
+def current_tool() -> str | None:
+    return _tool.get()
+
+
+@contextmanager
+def session(name: str) -> Iterator[str]:
+    """Run the block as session ``name``: a separate KV context, e.g. one agent role of a pipeline.
+
+    The session id is ``<workflow id>/<name>`` so two programs never share one context by accident.
+    """
+    if not name or "/" in name:
+        raise _bad_input(f"session name must be non-empty and contain no '/', got {name!r}")
+    sid = f"{workflow.info().workflow_id}/{name}"
+    token = _session.set(sid)
+    try:
+        yield sid
+    finally:
+        _session.reset(token)
+
+
+def _bad_input(message: str, kind: str = "InvalidInput") -> ApplicationError:
+    """Bad arguments fail the workflow with a clear error (a plain exception would retry the task forever)."""
+    return ApplicationError(message, type=kind, non_retryable=True)
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+async def llm(
+    prompt: str | Sequence[int],
+    *,
+    max_new_tokens: int = 16,
+    prefix_key: str = "",
+    prefix_tokens: int = 0,
+    start_to_close_timeout: timedelta = timedelta(minutes=5),
+    schedule_to_close_timeout: timedelta = timedelta(minutes=30),
+    retry_policy: RetryPolicy = DEFAULT_LLM_RETRY,
+) -> LLMResult:
+    """One model call on the current session with the full prompt (the node reuses what it still holds).
+
+    A string prompt is sent as bytes; pass token ids to control the tokens exactly.
+    """
+    ids = encode_text(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise _bad_input("llm() needs a non-empty prompt", "InvalidPrompt")
+    inp = LLMInput(current_session(), ids, max_new_tokens, prefix_key, prefix_tokens)
+    return await workflow.execute_activity(
+        LLM_ACTIVITY,
+        inp,
+        result_type=LLMResult,
+        start_to_close_timeout=start_to_close_timeout,
+        schedule_to_close_timeout=schedule_to_close_timeout,
+        retry_policy=retry_policy,
+    )
+
+
+async def tool(
+    name: str,
+    *args: Any,
+    activity: str | Callable[..., Any] | None = None,
+    duration_s: float = 0.0,
+    output_tokens: int = 0,
+    seed: int | None = None,
+    vocab_size: int = 256,
+    start_to_close_timeout: timedelta = timedelta(minutes=30),
+    **activity_options: Any,
+) -> Any:
+    """Run tool ``name`` on the current session.
+
+    With ``activity``, that activity (yours) runs with ``args`` and is tagged as tool ``name``.  Without it,
+    the built-in simulated tool sleeps ``duration_s`` and returns ``output_tokens`` pseudo-random tokens
+    (deterministic from ``seed``), which is what the example agents use.
+    """
+    if not name:
+        raise _bad_input("tool() needs a name")
+    token = _tool.set(name)
+    try:
+        if activity is not None:
+            return await workflow.execute_activity(
+                activity,  # type: ignore[call-overload]
+                args=list(args),
+                start_to_close_timeout=start_to_close_timeout,
+                **activity_options,
+            )
+        if not duration_s >= 0.0:
+            raise _bad_input(f"tool {name!r}: duration_s must be >= 0, got {duration_s}")
+        s = seed if seed is not None else workflow.random().randrange(2**31)
+        inp = ToolInput(current_session(), name, duration_s, output_tokens, s, vocab_size)
+        return await workflow.execute_activity(
+            TOOL_ACTIVITY,
+            inp,
+            result_type=ToolResult,
+            start_to_close_timeout=max(start_to_close_timeout, timedelta(seconds=duration_s + 60)),
+            **activity_options,
+        )
+    finally:
+        _tool.reset(token)
+
+
+@asynccontextmanager
+async def pause(name: str = "human") -> AsyncIterator[None]:
+    """Mark a wait that is not an activity (a person, a timer, a signal) as a pause of tool ``name``.
+
+    ``async with pause("human"): await workflow.wait_condition(lambda: approved)`` tells the runtime the
+    session is idle for a ``human``-shaped pause, so it can price pinning it like any tool.
+    """
+    inp = PauseInput(current_session(), name)
+    opts: dict[str, Any] = {"start_to_close_timeout": timedelta(seconds=10)}
+    await workflow.execute_local_activity(PAUSE_STARTED_ACTIVITY, inp, **opts)
+    try:
+        yield
+    finally:
+        await workflow.execute_local_activity(PAUSE_ENDED_ACTIVITY, inp, **opts)

@@ -1,0 +1,233 @@
+"""``HintflowPlugin``: the one thing a team adds to its Temporal worker (and client) to get KV-aware serving.
+
+    plugin = HintflowPlugin(engines=["10.0.0.5:50051"], policy="hintflow")
+    client = await Client.connect("localhost:7233", plugins=[plugin])
+    worker = Worker(client, task_queue="agents", workflows=[MyAgent])   # plugin applied via the client
+
+What it bundles:
+
+* activities ``hintflow.llm`` (route, then ``Generate`` on a node), ``hintflow.tool`` (a simulated tool),
+  ``hintflow.pause_started/ended`` and ``hintflow.program_end`` (local, bookkeeping only);
+* an activity interceptor that turns every activity into program events: model-call activities (ours, and
+  ``temporalio.contrib.openai_agents``' ``invoke_model_activity``) are turns, every other activity is a tool
+  pause (named by the ``tool(...)`` header, else by its activity type);
+* the workflow interceptor (``_workflow_interceptor``) that tags activities with session and tool and
+  reports program end, and a client interceptor that stamps when a program was submitted;
+* a sandbox passthrough for the ``workflows`` package (so the session context set by workflow code is the
+  one the interceptor reads) and a ``run_context`` that starts and stops the ``HintRuntime`` with the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from temporalio import activity, client, worker
+from temporalio.exceptions import ApplicationError
+from temporalio.plugin import SimplePlugin
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
+    WorkflowInboundInterceptor,
+    WorkflowInterceptorClassInput,
+)
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+
+from workflows._api import (
+    LLM_ACTIVITY,
+    PAUSE_ENDED_ACTIVITY,
+    PAUSE_STARTED_ACTIVITY,
+    PROGRAM_END_ACTIVITY,
+    SESSION_HEADER,
+    SUBMITTED_HEADER,
+    TOOL_ACTIVITY,
+    TOOL_HEADER,
+    LLMInput,
+    LLMResult,
+    PauseInput,
+    ProgramEndInput,
+    ToolInput,
+    ToolResult,
+)
+from workflows._runtime import EngineUnavailable, HintRuntime, InvalidPrompt
+from workflows._workflow_interceptor import HintflowWorkflowInbound, header_text, text_header
+
+__all__ = ["DEFAULT_MODEL_ACTIVITIES", "HintflowActivities", "HintflowInterceptor", "HintflowPlugin"]
+
+DEFAULT_MODEL_ACTIVITIES = frozenset(
+    {LLM_ACTIVITY, "invoke_model_activity", "invoke_model_activity_streaming"}
+)
+"""Activity types that are model calls (turns); ``invoke_model_activity*`` are openai_agents' own."""
+
+_BOOKKEEPING = frozenset({PAUSE_STARTED_ACTIVITY, PAUSE_ENDED_ACTIVITY, PROGRAM_END_ACTIVITY})
+
+
+class HintflowActivities:
+    """The activities the plugin registers; bound to one runtime."""
+
+    def __init__(self, runtime: HintRuntime) -> None:
+        self.runtime = runtime
+        self._pause_start_s: dict[tuple[str, str], float] = {}
+
+    @activity.defn(name=LLM_ACTIVITY)
+    async def llm(self, inp: LLMInput) -> LLMResult:
+        program_id = activity.info().workflow_id or inp.session_id
+        try:
+            return await self.runtime.generate(program_id, inp)
+        except EngineUnavailable as exc:
+            raise ApplicationError(str(exc), type="EngineUnavailable") from None
+        except InvalidPrompt as exc:
+            raise ApplicationError(str(exc), type="InvalidPrompt", non_retryable=True) from None
+
+    @activity.defn(name=TOOL_ACTIVITY)
+    async def tool(self, inp: ToolInput) -> ToolResult:
+        """A simulated tool: sleeps its sampled duration, returns deterministic pseudo-random tokens."""
+        if not inp.duration_s >= 0.0 or inp.output_tokens < 0 or inp.vocab_size < 1:
+            raise ApplicationError(f"bad tool input {inp!r}", type="InvalidToolInput", non_retryable=True)
+        t0 = time.monotonic()
+        await asyncio.sleep(inp.duration_s)
+        rng = random.Random(inp.seed)
+        out = [rng.randrange(inp.vocab_size) for _ in range(inp.output_tokens)]
+        return ToolResult(inp.name, out, time.monotonic() - t0)
+
+    @activity.defn(name=PAUSE_STARTED_ACTIVITY)
+    async def pause_started(self, inp: PauseInput) -> None:
+        program_id = activity.info().workflow_id or ""
+        self._pause_start_s[(inp.session_id, inp.name)] = time.monotonic()
+        self.runtime.tool_started(program_id, inp.session_id, inp.name)
+
+    @activity.defn(name=PAUSE_ENDED_ACTIVITY)
+    async def pause_ended(self, inp: PauseInput) -> None:
+        program_id = activity.info().workflow_id or ""
+        start = self._pause_start_s.pop((inp.session_id, inp.name), None)
+        duration = time.monotonic() - start if start is not None else 0.0
+        self.runtime.tool_ended(program_id, inp.session_id, inp.name, duration)
+
+    @activity.defn(name=PROGRAM_END_ACTIVITY)
+    async def program_end(self, inp: ProgramEndInput) -> None:
+        self.runtime.program_ended(inp.program_id, inp.status)
+
+    def all(self) -> list[Any]:
+        return [self.llm, self.tool, self.pause_started, self.pause_ended, self.program_end]
+
+
+class _ActivityInbound(ActivityInboundInterceptor):
+    def __init__(self, next: ActivityInboundInterceptor, owner: HintflowInterceptor) -> None:
+        super().__init__(next)
+        self._owner = owner
+
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        info = activity.info()
+        rt = self._owner.runtime
+        if rt is None or info.activity_type in _BOOKKEEPING or not info.workflow_id:
+            return await self.next.execute_activity(input)
+        program_id = info.workflow_id
+        session_id = header_text(input.headers, SESSION_HEADER) or program_id
+        submitted = header_text(input.headers, SUBMITTED_HEADER)
+        if submitted is not None:
+            with contextlib.suppress(ValueError):
+                rt.program_submitted(program_id, float(submitted))
+        if info.activity_type in self._owner.model_activities:
+            arg = input.args[0] if input.args else None
+            # Someone else's model call (openai_agents): estimate tokens from the size of its input.
+            ctx = len(arg.prompt_token_ids) if isinstance(arg, LLMInput) else len(repr(arg)) // 4
+            rt.turn_started(program_id, session_id, ctx)
+            out_ctx: int | None = None
+            try:
+                result = await self.next.execute_activity(input)
+                if isinstance(result, LLMResult):
+                    out_ctx = result.num_prompt_tokens + len(result.token_ids)
+                return result
+            finally:
+                rt.turn_ended(program_id, session_id, out_ctx)
+        tool = header_text(input.headers, TOOL_HEADER) or info.activity_type
+        t0 = time.monotonic()
+        rt.tool_started(program_id, session_id, tool)
+        try:
+            return await self.next.execute_activity(input)
+        finally:
+            rt.tool_ended(program_id, session_id, tool, time.monotonic() - t0)
+
+
+class _ClientOutbound(client.OutboundInterceptor):
+    async def start_workflow(self, input: client.StartWorkflowInput) -> client.WorkflowHandle[Any, Any]:
+        headers = dict(input.headers)
+        headers.setdefault(SUBMITTED_HEADER, text_header(repr(time.time())))
+        input.headers = headers
+        return await super().start_workflow(input)
+
+
+class HintflowInterceptor(client.Interceptor, worker.Interceptor):
+    """Worker side: activity events to the runtime; workflow side: headers and program end; client: submit time."""
+
+    def __init__(
+        self, runtime: HintRuntime | None, model_activities: Iterable[str] = DEFAULT_MODEL_ACTIVITIES
+    ):
+        self.runtime = runtime
+        self.model_activities = frozenset(model_activities)
+
+    def intercept_client(self, next: client.OutboundInterceptor) -> client.OutboundInterceptor:
+        return _ClientOutbound(next)
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _ActivityInbound(next, self)
+
+    def workflow_interceptor_class(
+        self, input: WorkflowInterceptorClassInput
+    ) -> type[WorkflowInboundInterceptor] | None:
+        return HintflowWorkflowInbound
+
+
+def _passthrough(runner: worker.WorkflowRunner | None) -> worker.WorkflowRunner:
+    runner = runner if runner is not None else SandboxedWorkflowRunner()
+    if isinstance(runner, SandboxedWorkflowRunner):
+        restrictions = runner.restrictions.with_passthrough_modules("workflows")
+        return dataclasses.replace(runner, restrictions=restrictions)
+    return runner
+
+
+class HintflowPlugin(SimplePlugin):
+    """Add to ``Client.connect(plugins=[...])`` (client and workers) or to one ``Worker(plugins=[...])``.
+
+    ``engines`` (host:port of engine nodes) builds a ``HintRuntime`` started and stopped with each worker;
+    pass ``runtime`` to share one you manage.  Without either, the plugin still tags and observes (client
+    side only, e.g. a process that just starts workflows).
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[str] = (),
+        policy: str = "hintflow",
+        *,
+        runtime: HintRuntime | None = None,
+        model_activities: Iterable[str] = DEFAULT_MODEL_ACTIVITIES,
+        **runtime_kw: Any,
+    ) -> None:
+        if runtime is None and engines:
+            runtime = HintRuntime(engines, policy, **runtime_kw)
+        self.runtime = runtime
+        interceptor = HintflowInterceptor(runtime, model_activities)
+        activities = HintflowActivities(runtime).all() if runtime is not None else []
+        super().__init__(
+            "hintflow.HintflowPlugin",
+            interceptors=[interceptor],
+            activities=lambda existing: [*(existing or []), *activities],
+            workflow_runner=_passthrough,
+            run_context=self._run_context if runtime is not None else None,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _run_context(self) -> AsyncIterator[None]:
+        assert self.runtime is not None
+        started_here = not self.runtime._started
+        await self.runtime.start()
+        try:
+            yield
+        finally:
+            if started_here:
+                await self.runtime.stop()

@@ -1,0 +1,298 @@
+"""Deliver hints to one engine node across its restarts and outages: one :class:`HintPublisher` per node.
+
+Why: a policy must never block on, or fail because of, a node that is slow, restarting or gone. So
+``publish`` only enqueues, and one background task per node owns one ``PushHints`` stream, coalesces
+queued hints into batches and resends a batch until the node acks it, reconnecting with capped
+exponential backoff and jitter.
+
+Delivery is at-least-once and in order: an acked batch is done; a batch whose push failed (the stream
+broke before its ack) is sent again, though the node may already have applied it. That is harmless
+because hints are idempotent leases: a pin, priority, next use or release applied twice leaves the node
+as applied once, and every lease lapses on its own, so an orchestrator restart loses nothing that matters.
+
+Durations in a hint count from its sending (the node turns them into deadlines on receipt), so a hint
+that waited in the queue is aged before each (re)send: ``Pin.ttl_s``, ``NextUse.next_use_s`` and
+``Prefetch.at_s`` shrink by the wait (clipped at 0), ``Priority.program_age_s`` grows by it. A pin that
+lapsed while queued is dropped as expired (the node would have let it go anyway); an unpin (ttl 0) is
+always delivered. Past ``max_pending`` queued hints the oldest are dropped. No drop is silent: each is
+counted in ``num_dropped`` and ``hintflow_hints_dropped_total{reason="queue-full"|"expired"}``.
+
+Metrics, labelled ``node`` (the address): ``hintflow_hint_delivery_seconds`` (publish to ack, per hint),
+``hintflow_hints_sent_total{code}`` (acked hints by result code), ``hintflow_hint_push_failures_total``,
+``hintflow_hints_dropped_total{reason}``, ``hintflow_publisher_connected``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from hints import EngineClient, EvictionOrder, HintAck, HintModel, Pin, Prefetch, Priority
+
+__all__ = ["HintPublisher"]
+
+log = logging.getLogger(__name__)
+
+_DELIVERY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+"""Enqueue to ack: milliseconds on a healthy loopback node, minutes across a node restart."""
+
+
+class _Metrics(NamedTuple):
+    delivery: Histogram
+    sent: Counter
+    failures: Counter
+    dropped: Counter
+    connected: Gauge
+
+
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = weakref.WeakKeyDictionary()
+
+
+def _metrics_for(r: CollectorRegistry) -> _Metrics:
+    """One set per registry, shared by its publishers (one per node): a second set would not register."""
+    if r not in _METRICS:
+        _METRICS[r] = _Metrics(
+            Histogram("hintflow_hint_delivery_seconds", "Publish-to-ack time of a hint.", ["node"],
+                      buckets=_DELIVERY_BUCKETS, registry=r),
+            Counter("hintflow_hints_sent_total", "Hints acked, by code.", ["node", "code"], registry=r),
+            Counter("hintflow_hint_push_failures_total", "Failed hint pushes.", ["node"], registry=r),
+            Counter("hintflow_hints_dropped_total", "Hints dropped.", ["node", "reason"], registry=r),
+            Gauge("hintflow_publisher_connected", "1 while the last push was acked.", ["node"], registry=r),
+        )  # fmt: skip
+    return _METRICS[r]
+
+
+@dataclass(frozen=True)
+class _Item:
+    seq: int
+    hint: HintModel  # as published; aged afresh at every send
+    enqueued_s: float  # time.monotonic()
+
+
+def _aged(hint: HintModel, w: float) -> HintModel | None:
+    """``hint`` as it should be sent ``w`` seconds after it was published; None: a pin that has lapsed."""
+    if w <= 0:
+        return hint
+    if isinstance(hint, Pin):
+        if hint.ttl_s == 0:
+            return hint  # an unpin stays an unpin
+        ttl = hint.ttl_s - w
+        return hint.model_copy(update={"ttl_s": ttl}) if ttl > 0 else None
+    if isinstance(hint, Priority):
+        return hint.model_copy(update={"program_age_s": hint.program_age_s + w})
+    if isinstance(hint, Prefetch):
+        return hint.model_copy(update={"at_s": max(0.0, hint.at_s - w)})
+    if isinstance(hint, EvictionOrder):
+        entries = [e.model_copy(update={"next_use_s": max(0.0, e.next_use_s - w)}) for e in hint.entries]
+        return hint.model_copy(update={"entries": entries})
+    return hint  # Expect, Release: nothing time-relative
+
+
+class HintPublisher:
+    """Queue hints for the node at ``address`` and deliver them from a background task; see the module doc.
+
+    Plain counters, for tests and reports: ``num_sent`` (hints acked, any code), ``num_acked_ok`` (acked
+    with code OK), ``num_failures`` (failed batch pushes) and ``num_dropped`` (queue full or lapsed pin).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        registry: CollectorRegistry | None = None,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        max_pending: int = 10_000,
+        max_batch: int = 256,
+        ack_timeout_s: float = 10.0,
+        on_ack: Callable[[list[HintModel], HintAck], None] | None = None,
+        client_factory: Callable[[str], EngineClient] = EngineClient,
+    ) -> None:
+        if max_pending < 1 or max_batch < 1 or backoff_initial_s <= 0 or backoff_max_s < backoff_initial_s:
+            raise ValueError("need max_pending, max_batch >= 1 and 0 < backoff_initial_s <= backoff_max_s")
+        self.address = address
+        self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
+        self.max_pending, self.max_batch, self.ack_timeout_s = max_pending, max_batch, ack_timeout_s
+        self.on_ack, self._client_factory = on_ack, client_factory
+        m = _metrics_for(REGISTRY if registry is None else registry)
+        self._metrics, self._connected_gauge = m, m.connected.labels(node=address)
+        self._connected_gauge.set(0)
+        self._queue: deque[_Item] = deque()  # waiting, oldest first (a failed batch goes back in front)
+        self._inflight: list[_Item] = []  # the batch being pushed; older than everything in _queue
+        self._seq = 0  # of the last hint published
+        self._wakeup, self._progress = asyncio.Event(), asyncio.Event()
+        self._client: EngineClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = self._connected = self._warned_full = False
+        self.num_sent = self.num_acked_ok = self.num_failures = self.num_dropped = 0
+
+    @property
+    def connected(self) -> bool:
+        """True while the last push was acked; False before the first ack and after a failed push."""
+        return self._connected
+
+    @property
+    def num_pending(self) -> int:
+        """Hints published but neither acked nor dropped yet (queued or in flight)."""
+        return len(self._queue) + len(self._inflight)
+
+    def _set_connected(self, value: bool) -> None:
+        self._connected = value
+        self._connected_gauge.set(1 if value else 0)
+
+    def start(self) -> None:
+        """Start the sender task in the running event loop (no-op if started)."""
+        if self._closed:
+            raise RuntimeError("HintPublisher is closed")
+        if self._task is None:
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run(), name=f"hint-publisher {self.address}")
+
+    def publish(self, hints: Sequence[HintModel]) -> None:
+        """Enqueue ``hints`` (in order) for delivery; never blocks, never waits for the node."""
+        if self._closed:
+            raise RuntimeError("HintPublisher is closed")
+        now = time.monotonic()
+        for hint in hints:
+            self._seq += 1
+            self._queue.append(_Item(self._seq, hint, now))
+        self._enforce_bound()
+        self._wakeup.set()
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until every hint published so far was acked (or dropped, and counted); False on timeout."""
+        target = self._seq
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._oldest_pending_seq() <= target:
+                    self._progress.clear()
+                    await self._progress.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Stop the sender, close the stream; pending hints are abandoned (flush first). Idempotent."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._drop_client()
+        self._set_connected(False)
+
+    def _oldest_pending_seq(self) -> int:
+        if self._inflight:
+            return self._inflight[0].seq
+        return self._queue[0].seq if self._queue else self._seq + 1
+
+    def _drop(self, n: int, reason: str) -> None:
+        if n:
+            self.num_dropped += n
+            self._metrics.dropped.labels(node=self.address, reason=reason).inc(n)
+            self._progress.set()
+
+    def _enforce_bound(self) -> None:
+        excess = len(self._queue) - self.max_pending
+        for _ in range(excess):
+            self._queue.popleft()
+        if excess > 0:  # warn once until the next ack, then only count
+            level, self._warned_full = logging.DEBUG if self._warned_full else logging.WARNING, True
+            log.log(level, "hint queue for %s full (%d): dropping the oldest", self.address, self.max_pending)
+            self._drop(excess, "queue-full")
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    def _take_batch(self) -> tuple[list[_Item], list[HintModel]]:
+        """Move up to ``max_batch`` hints to the in-flight batch, aged to now; lapsed pins are dropped."""
+        now = time.monotonic()
+        items: list[_Item] = []
+        hints: list[HintModel] = []
+        expired = 0
+        while self._queue and len(items) < self.max_batch:
+            item = self._queue.popleft()
+            hint = _aged(item.hint, now - item.enqueued_s)
+            if hint is None:
+                expired += 1
+                continue
+            items.append(item)
+            hints.append(hint)
+        self._drop(expired, "expired")
+        self._inflight = items
+        return items, hints
+
+    def _on_acked(self, items: list[_Item], hints: list[HintModel], ack: HintAck) -> None:
+        now = time.monotonic()
+        for item in items:
+            self._metrics.delivery.labels(node=self.address).observe(now - item.enqueued_s)
+        for result in ack.results:
+            self._metrics.sent.labels(node=self.address, code=result.code).inc()
+            self.num_acked_ok += int(result.ok)
+        self.num_sent += len(items)
+        if len(ack.results) != len(items):
+            log.warning("node %s acked %d of %d hints", self.address, len(ack.results), len(items))
+        if self.on_ack is not None:
+            try:
+                self.on_ack(hints, ack)
+            except Exception:
+                log.exception("on_ack callback failed")
+        self._progress.set()
+
+    async def _run(self) -> None:
+        failed = 0  # consecutive failed pushes: 0 while healthy
+        outage_since = 0.0
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            items, hints = self._take_batch()
+            if not items:
+                continue
+            try:
+                if self._client is None:
+                    self._client = self._client_factory(self.address)
+                ack = await asyncio.wait_for(self._client.push_hints(hints), self.ack_timeout_s)
+            except Exception as e:  # grpc.aio.AioRpcError, ConnectionError, TimeoutError
+                self._queue.extendleft(reversed(items))  # resent in order, aged afresh; may drop the oldest
+                self._inflight = []
+                self._enforce_bound()
+                self.num_failures += 1
+                self._metrics.failures.labels(node=self.address).inc()
+                self._set_connected(False)
+                await self._drop_client()  # a fresh channel connects at once, not after gRPC's own backoff
+                error = f"{type(e).__name__}: {e}"
+                if isinstance(e, grpc.aio.AioRpcError):  # its str() is a multi-line debug dump
+                    error = f"{e.code().name}: {e.details()}"
+                if failed == 0:
+                    outage_since = time.monotonic()
+                    log.warning("hint stream to %s failed (%s); retrying with backoff", self.address, error)
+                failed += 1
+                delay = min(self.backoff_max_s, self.backoff_initial_s * 2.0 ** min(failed - 1, 60))
+                delay *= random.uniform(0.5, 1.0)
+                log.info("reconnecting to %s in %.2f s (attempt %d, %s)", self.address, delay, failed, error)
+                await asyncio.sleep(delay)
+                continue
+            self._inflight = []
+            if failed:
+                down_s = time.monotonic() - outage_since
+                log.info("hint stream to %s back after %.1f s, %d failures", self.address, down_s, failed)
+            failed, self._warned_full = 0, False
+            self._set_connected(True)
+            self._on_acked(items, hints, ack)

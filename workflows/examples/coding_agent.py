@@ -1,0 +1,61 @@
+"""A SWE-style coding agent: model call, shell tool, model call with the longer context, 10+ turns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+from workflows._api import current_session, llm, tool
+from workflows.examples._common import ProgramReport, fixed_prefix, sample_pause_s
+
+__all__ = ["CodingAgent", "CodingAgentInput"]
+
+
+@dataclass
+class CodingAgentInput:
+    turns: int = 10
+    system_prompt_tokens: int = 160  # shared by every program (same tokens)
+    task_tokens: int = 320  # this program's issue text
+    tool_output_tokens: int = 64  # appended after each tool call
+    output_tokens: int = 8
+    tool_mean_s: float = 0.9
+    tool_sd_s: float = 3.5
+    tool_max_s: float = 60.0
+    time_scale: float = 1.0  # multiplies every sampled pause (tests and demos run the same shape faster)
+    vocab_size: int = 256
+
+
+@workflow.defn(name="hintflow.examples.CodingAgent")
+class CodingAgent:
+    @workflow.run
+    async def run(self, inp: CodingAgentInput) -> ProgramReport:
+        if inp.turns < 1:
+            raise ApplicationError(f"turns must be >= 1, got {inp.turns}", type="InvalidInput", non_retryable=True)
+        rng = workflow.random()
+        start = workflow.time()
+        report = ProgramReport(workflow.info().workflow_id, "coding-agent")
+        system = fixed_prefix("coding-agent:system", inp.system_prompt_tokens, inp.vocab_size)
+        prompt = system + [rng.randrange(inp.vocab_size) for _ in range(inp.task_tokens)]
+        history = 0
+        for turn in range(inp.turns):
+            res = await llm(
+                prompt,
+                max_new_tokens=inp.output_tokens,
+                prefix_key="coding-agent:system",
+                prefix_tokens=len(system),
+            )
+            t = report.add(current_session(), history, res)
+            prompt = prompt + res.token_ids
+            history = len(prompt) - 1  # the last generated token's KV is written by the next turn
+            if turn == inp.turns - 1:
+                break
+            pause_s = sample_pause_s(rng, inp.tool_mean_s, inp.tool_sd_s, inp.tool_max_s) * inp.time_scale
+            out = await tool(
+                "bash", duration_s=pause_s, output_tokens=inp.tool_output_tokens, vocab_size=inp.vocab_size
+            )
+            t.tool, t.tool_s = "bash", out.duration_s
+            prompt = prompt + out.output_token_ids
+        report.jct_s = workflow.time() - start
+        return report
