@@ -7,6 +7,7 @@ so that ``hintflow --help`` stays fast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -144,7 +145,9 @@ def _cache_replay_table(result: dict[str, Any], seconds: float) -> str:
 
 
 @engine.command("serve")
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML config file.")
+@click.option(
+    "--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML config file."
+)
 @click.option("--executor", type=click.Choice(["torch", "modeled"]), default=None, help="[default: torch]")
 @click.option("--host", default=None, help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="gRPC port, 0: any free one.")
@@ -290,12 +293,16 @@ def main() -> None:
 
 
 @engine.command("bench")
-@click.option("--sessions", type=click.IntRange(min=1), default=10_000, show_default=True, help="Live sessions.")
+@click.option(
+    "--sessions", type=click.IntRange(min=1), default=10_000, show_default=True, help="Live sessions."
+)
 @click.option("--context-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--running", "num_running", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=500, show_default=True)
 @click.option("--hints", "num_hints", type=click.IntRange(min=1), default=50_000, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Hints per batch.")
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Hints per batch."
+)
 @click.option("--cost-model", default="h100-llama3-8b", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -320,17 +327,192 @@ def bench(as_json: bool, **kwargs: Any) -> None:
 @click.option("--programs", type=click.IntRange(min=1), default=12, show_default=True)
 @click.option("--turns", type=click.IntRange(min=2), default=8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write JSON here."
+)
 def demo(programs: int, turns: int, seed: int, json_out: str | None) -> None:
     """Agent loops on a real engine node under memory pressure: vLLM-like behaviour, then with hints."""
     import json
 
     from hintflow._demo import DemoConfig, format_table, run_demo
 
-    click.echo(f"running {programs} coding-agent programs x {turns} turns, twice (about a minute)...", err=True)
+    click.echo(
+        f"running {programs} coding-agent programs x {turns} turns, twice (about a minute)...", err=True
+    )
     result = run_demo(DemoConfig(programs=programs, turns=turns, seed=seed))
     click.echo(format_table(result))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=2)
         click.echo(f"wrote {json_out}", err=True)
+
+
+# ---- Temporal: worker and example programs ---------------------------------------------------------------
+class CommaStrs(click.ParamType):
+    """A comma-separated list of host:port addresses."""
+
+    name = "HOST:PORT,..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[str]:
+        if isinstance(value, list | tuple):
+            return list(value)
+        out = [p.strip() for p in str(value).split(",") if p.strip()]
+        for a in out:
+            host, sep, port = a.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                self.fail(f"{a!r} is not HOST:PORT", param, ctx)
+        return out
+
+
+def _temporal_options(f: Any) -> Any:
+    f = click.option(
+        "--engines",
+        type=CommaStrs(),
+        default="",
+        help="Engine nodes HOST:PORT,...  [default: start one local torch node]",
+    )(f)
+    return click.option(
+        "--temporal", default=None, help="Temporal frontend HOST:PORT.  [default: start a local dev server]"
+    )(f)
+
+
+def _exit_after_temporal(status: int) -> None:
+    """The Temporal SDK can abort at interpreter exit even after a clean shutdown: flush, then leave."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+@hintflow.command("worker")
+@_temporal_options
+@click.option("--task-queue", default="hintflow", show_default=True)
+@click.option("--policy", default="hintflow", show_default=True, help="Hint policy by name.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve /metrics here.")
+def worker(
+    temporal: str | None, engines: list[str], task_queue: str, policy: str, metrics_port: int | None
+) -> None:
+    """Run a Temporal worker with the hintflow plugin and the example workflows until Ctrl-C."""
+    import asyncio
+    import logging
+
+    from hintflow._run import run_worker
+    from orchestrator import POLICIES
+
+    if policy not in POLICIES:
+        raise click.BadParameter(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    status = 0
+    try:
+        asyncio.run(run_worker(temporal, engines, task_queue, policy, metrics_port))
+    except Exception as exc:
+        click.echo(f"hintflow worker: {exc}", err=True)
+        status = 1
+    _exit_after_temporal(status)
+
+
+@hintflow.command("run")
+@click.argument("example")
+@_temporal_options
+@click.option("--programs", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--policy", default="hintflow", show_default=True, help="Hint policy by name.")
+@click.option(
+    "--time-scale",
+    type=click.FloatRange(min=0.0),
+    default=1.0,
+    show_default=True,
+    help="Multiply every sampled tool/human pause.",
+)
+@click.option(
+    "--arrival-gap", "arrival_gap_s", type=click.FloatRange(min=0.0), default=0.5, show_default=True
+)
+@click.option(
+    "--background-clients",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Competing tenants per node sending cold prompts while the programs run.",
+)
+@click.option(
+    "--device-blocks",
+    "num_device_blocks",
+    type=click.IntRange(min=16),
+    default=256,
+    show_default=True,
+    help="Device KV blocks of the local node (16 tokens each).",
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="FIELD=VALUE",
+    help="Override a field of the example's input, e.g. --set turns=12.",
+)
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the report here."
+)
+def run(
+    example: str,
+    temporal: str | None,
+    engines: list[str],
+    json_out: str | None,
+    sets: tuple[str, ...],
+    num_device_blocks: int,
+    **kw: Any,
+) -> None:
+    """Start N programs of EXAMPLE (coding-agent, pipeline, human-in-loop) and report each turn."""
+    import asyncio
+
+    from hintflow._run import RunConfig, run_programs
+    from orchestrator import POLICIES
+    from workflows.examples import EXAMPLES
+
+    if example not in EXAMPLES:
+        raise click.BadParameter(f"unknown example {example!r}; known: {', '.join(sorted(EXAMPLES))}")
+    if kw["policy"] not in POLICIES:
+        raise click.BadParameter(f"unknown policy {kw['policy']!r}; known: {', '.join(sorted(POLICIES))}")
+    overrides: dict[str, Any] = {}
+    fields = [f.name for f in dataclasses.fields(EXAMPLES[example].input_type)]
+    for s in sets:
+        name, sep, raw = s.partition("=")
+        if not sep or name not in fields:
+            raise click.BadParameter(f"--set {s!r}: expected FIELD=VALUE with FIELD in {', '.join(fields)}")
+        try:
+            overrides[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[name] = raw
+    cfg = RunConfig(example=example, overrides=overrides, **kw)
+    status = 0
+    try:
+        report = asyncio.run(run_programs(cfg, temporal, engines, num_device_blocks=num_device_blocks))
+    except Exception as exc:
+        click.echo(f"hintflow run: {type(exc).__name__}: {exc}", err=True)
+        _exit_after_temporal(1)
+    click.echo(_run_table(report))
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(f"wrote {json_out}", err=True)
+    _exit_after_temporal(status)
+
+
+def _run_table(r: dict[str, Any]) -> str:
+    lines = [
+        f"{r['example']} x {r['num_programs']} programs, policy {r['policy']}, engines {', '.join(r['engines'])}"
+    ]
+    lines.append(
+        f"{'program':<40} {'turns':>5} {'JCT s':>7} {'TTFT p50':>9} {'cached':>8} {'recomp':>7} {'pins':>5}"
+    )
+    for p in r["programs"]:
+        ttft = sorted(p["ttft_s"])
+        lines.append(
+            f"{p['program_id'][:40]:<40} {p['num_turns']:>5} {p['jct_s']:>7.2f} {ttft[len(ttft) // 2]:>9.3f} "
+            f"{sum(p['cached_tokens']):>8} {sum(p['recomputed_tokens']):>7} {p['pins_placed']:>5}"
+        )
+    lines.append(
+        f"total: {r['num_turns']} turns, JCT mean {r['jct_mean_s']:.2f} s p90 {r['jct_p90_s']:.2f} s, "
+        f"TTFT p50 {r['ttft_p50_s']:.3f} s p90 {r['ttft_p90_s']:.3f} s, across-turn hit rate "
+        f"{r['across_turn_hit_rate']:.1%}, recomputed {r['recomputed_tokens']} tokens, pins placed "
+        f"{r['pins_placed']} (held to the next turn {r['pins_held']}, expired {r['pins_expired']}), wall {r['wall_s']:.1f} s"
+    )
+    return "\n".join(lines)

