@@ -31,6 +31,7 @@ from hints import (
     HintModel,
     NextUse,
     Pin,
+    Prefetch,
     Priority,
     Release,
 )
@@ -487,8 +488,22 @@ class HintFlowPolicy(ContinuumPolicy):
                 out[sid] = partial(self.pause_model.expected_remaining, tool, elapsed)
         return out
 
+    def _prefetch(self, ev: ToolStarted, pin_ttl_s: float) -> list[HintModel]:
+        """Ask for the context back shortly before the earliest likely return, unless the pin already
+        covers the likely returns (then it never leaves the device and a prefetch would be a no-op)."""
+        dist = self.pause_model.distribution(ev.tool)
+        if pin_ttl_s >= dist.quantile(0.9):
+            return []
+        hint = self._safe(
+            lambda: Prefetch(session_id=ev.session_id, at_s=_cap(0.8 * dist.quantile(0.25), MAX_HORIZON_S)),
+            f"Prefetch({ev.session_id})",
+        )
+        return [hint] if hint is not None else []
+
     def _on_tool_started(self, ev: ToolStarted) -> list[HintModel]:
         out = self._pin_at_tool_start(ev)
+        pin_ttl = next((h.ttl_s for h in out if isinstance(h, Pin)), 0.0)
+        out += self._prefetch(ev, pin_ttl)
         tool = ev.tool
         out += self._eviction_order(
             {ev.session_id: lambda: self.pause_model.expected_remaining(tool, 0.0)},

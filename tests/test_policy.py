@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hints import EvictionOrder, Pin, Priority, Release
+from hints import EvictionOrder, Pin, Prefetch, Priority, Release
 from orchestrator._pause_model import PauseModel
 from orchestrator._policy import (
     POLICIES,
@@ -194,3 +194,16 @@ def test_negative_prediction_is_dropped_not_sent() -> None:
     hints = policy.on_event(ToolStarted(P, S, "bash", 0.0, 100))
     assert [type(h) for h in hints] == [Pin]
     assert policy.num_invalid_hints == 1
+
+
+def test_hintflow_prefetches_only_when_the_pin_may_end_before_the_return() -> None:
+    """Exp(1 s) default: q25 = ln(4/3) s, q90 = ln 10 s.  A short pin (cheap reload) leaves the likely
+    returns uncovered -> Prefetch at 0.8 * q25; a pin past q90 (expensive reload) needs no prefetch."""
+    cheap = get_policy("hintflow", prefill_reload=lambda n: 1.5)  # tau = ln 1.5 < q90
+    hints = cheap.on_event(ToolStarted("p", "s", "bash", 0.0, 1000))
+    [prefetch] = [h for h in hints if isinstance(h, Prefetch)]
+    assert prefetch.at_s == pytest.approx(0.8 * math.log(4 / 3), rel=1e-3)
+    dear = get_policy("hintflow", prefill_reload=lambda n: 50.0)  # tau = ln 50 > q90 = ln 10
+    hints = dear.on_event(ToolStarted("p", "s", "bash", 0.0, 1000))
+    assert any(isinstance(h, Pin) for h in hints)
+    assert not any(isinstance(h, Prefetch) for h in hints)
