@@ -37,6 +37,7 @@ from hints import (
 )
 from orchestrator._graph import steps_to_execution
 from orchestrator._pause_model import PauseModel
+from orchestrator._tracker import ProgramTracker
 from orchestrator._ttl import ContinuumTTL
 
 __all__ = [
@@ -67,6 +68,7 @@ class TurnStarted:
     session_id: str
     now_s: float
     context_tokens: int
+    workflow: str = ""  # the program's type (Temporal workflow type): whose learned graph it follows
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,7 @@ class ToolStarted:
     tool: str
     now_s: float
     context_tokens: int
+    workflow: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,10 +470,11 @@ class ThunderAgentPolicy(_BasePolicy):
 
 
 class HintFlowPolicy(ContinuumPolicy):
-    """Ours: Continuum's pin rule plus an eviction order by the predicted remaining pause.
+    """Ours: Continuum's pin rule plus an eviction order by the predicted next use of every parked session.
 
     For each session in a tool, next use = ``PauseModel.expected_remaining(tool, elapsed)`` (E[T - t | T > t],
-    heavy-tail aware).  Sent at ToolStarted; on Tick re-sent only for sessions whose predicted next-use
+    heavy-tail aware); for a session between turns, the program graph learned for its workflow type
+    (:class:`ProgramTracker`: the most probable path to its next turn, or the horizon once it is dead).  Sent at ToolStarted; on Tick re-sent only for sessions whose predicted next-use
     time moved by more than ``rel_change`` (10%) of the prediction (incremental updates).  Priority by
     program age; Release at the end.
     """
@@ -480,13 +484,38 @@ class HintFlowPolicy(ContinuumPolicy):
     # event loop is late by a few ticks on a busy machine.
     default_renew_ahead_s = 0.25
 
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.tracker = ProgramTracker(self.pause_model)
+
     def _predictions(self, now_s: float) -> dict[str, Callable[[], float]]:
+        """In a pause: the pause model's remaining time.  Between turns: the program graph's prediction
+        (dead sessions: the horizon, so they go first); sessions neither can place are left to recency."""
         out: dict[str, Callable[[], float]] = {}
+        between: dict[str, list[str]] = {}
         for sid, p in self._parked.items():
             if p.tool is not None:
                 tool, elapsed = p.tool, max(now_s - p.started_s, 0.0)
                 out[sid] = partial(self.pause_model.expected_remaining, tool, elapsed)
+            else:
+                between.setdefault(p.program_id, []).append(sid)
+        for program_id, sids in between.items():
+            graph_preds = self._safe(partial(self.tracker.predict, program_id, sids, now_s), "graph prediction")
+            for sid, value in (graph_preds or {}).items():
+                out[sid] = partial(float, value)
         return out
+
+    def _on_turn_started(self, ev: TurnStarted) -> list[HintModel]:
+        self.tracker.turn_started(ev.program_id, ev.session_id, ev.now_s, ev.workflow)
+        return super()._on_turn_started(ev)
+
+    def _on_turn_ended(self, ev: TurnEnded) -> list[HintModel]:
+        self.tracker.turn_ended(ev.program_id, ev.session_id, ev.now_s)
+        return []
+
+    def _on_program_ended(self, ev: ProgramEnded) -> list[HintModel]:
+        self.tracker.program_ended(ev.program_id)
+        return super()._on_program_ended(ev)
 
     def _prefetch(self, ev: ToolStarted, pin_ttl_s: float) -> list[HintModel]:
         """Ask for the context back shortly before the earliest likely return, unless the pin already
@@ -501,6 +530,7 @@ class HintFlowPolicy(ContinuumPolicy):
         return [hint] if hint is not None else []
 
     def _on_tool_started(self, ev: ToolStarted) -> list[HintModel]:
+        self.tracker.tool_started(ev.program_id, ev.tool, ev.now_s, ev.workflow)
         out = self._pin_at_tool_start(ev)
         pin_ttl = next((h.ttl_s for h in out if isinstance(h, Pin)), 0.0)
         out += self._prefetch(ev, pin_ttl)

@@ -97,9 +97,9 @@ class HintflowActivities:
 
     @activity.defn(name=PAUSE_STARTED_ACTIVITY)
     async def pause_started(self, inp: PauseInput) -> None:
-        program_id = activity.info().workflow_id or ""
+        info = activity.info()
         self._pause_start_s[(inp.session_id, inp.name)] = time.monotonic()
-        self.runtime.tool_started(program_id, inp.session_id, inp.name)
+        self.runtime.tool_started(info.workflow_id or "", inp.session_id, inp.name, info.workflow_type or "")
 
     @activity.defn(name=PAUSE_ENDED_ACTIVITY)
     async def pause_ended(self, inp: PauseInput) -> None:
@@ -136,7 +136,7 @@ class _ActivityInbound(ActivityInboundInterceptor):
             arg = input.args[0] if input.args else None
             # Someone else's model call (openai_agents): estimate tokens from the size of its input.
             ctx = len(arg.prompt_token_ids) if isinstance(arg, LLMInput) else len(repr(arg)) // 4
-            rt.turn_started(program_id, session_id, ctx)
+            rt.turn_started(program_id, session_id, ctx, info.workflow_type or "")
             out_ctx: int | None = None
             try:
                 result = await self.next.execute_activity(input)
@@ -147,7 +147,7 @@ class _ActivityInbound(ActivityInboundInterceptor):
                 rt.turn_ended(program_id, session_id, out_ctx)
         tool = header_text(input.headers, TOOL_HEADER) or info.activity_type
         t0 = time.monotonic()
-        rt.tool_started(program_id, session_id, tool)
+        rt.tool_started(program_id, session_id, tool, info.workflow_type or "")
         try:
             return await self.next.execute_activity(input)
         finally:

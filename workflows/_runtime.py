@@ -243,7 +243,7 @@ class HintRuntime:
             note(program_id, time.monotonic() - max(0.0, time.time() - submitted_unix_s))
         self._program(program_id)
 
-    def turn_started(self, program_id: str, session_id: str, context_tokens: int) -> None:
+    def turn_started(self, program_id: str, session_id: str, context_tokens: int, workflow: str = "") -> None:
         now = time.monotonic()
         s = self._session(session_id, program_id)
         p = self._program(program_id)
@@ -259,7 +259,7 @@ class HintRuntime:
         self.pin_outcomes.setdefault(session_id, []).append(outcome)
         s.context_tokens = context_tokens
         self._close_pause(s, session_id)
-        self._feed(TurnStarted(program_id, session_id, now, context_tokens))
+        self._feed(TurnStarted(program_id, session_id, now, context_tokens, workflow))
 
     def turn_ended(self, program_id: str, session_id: str, context_tokens: int | None = None) -> None:
         s = self._session(session_id, program_id)
@@ -267,13 +267,13 @@ class HintRuntime:
             s.context_tokens = context_tokens
         self._feed(TurnEnded(program_id, session_id, time.monotonic(), s.context_tokens))
 
-    def tool_started(self, program_id: str, session_id: str, tool: str) -> None:
+    def tool_started(self, program_id: str, session_id: str, tool: str, workflow: str = "") -> None:
         s = self._session(session_id, program_id)
         self._close_pause(s, session_id)
         self._program(program_id).num_tools += 1
         now = time.monotonic()
         s.tool, s.tool_started_s, s.tool_done = tool, now, False
-        self._feed(ToolStarted(program_id, session_id, tool, now, s.context_tokens))
+        self._feed(ToolStarted(program_id, session_id, tool, now, s.context_tokens, workflow))
 
     def tool_ended(self, program_id: str, session_id: str, tool: str, duration_s: float) -> None:
         """The tool's activity returned.  The pause is reported when the session's next turn (or tool, or
