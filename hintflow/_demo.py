@@ -82,8 +82,13 @@ async def _run_mode(mode: str, cfg: DemoConfig) -> ModeResult:
     bs = 16
     blocks = max(int(cfg.programs * max_ctx / bs * cfg.device_fraction), 2 * -(-max_ctx // bs) + 8)
     ex = make_torch_executor(num_device_blocks=blocks, max_model_len=max_ctx + 64)
-    core = EngineCore(ex, retain_contexts=hinted, eviction_policy="hinted" if hinted else "lru",
-                      pin_budget_fraction=0.6, node_id=f"demo-{mode}")
+    core = EngineCore(
+        ex,
+        retain_contexts=hinted,
+        eviction_policy="hinted" if hinted else "lru",
+        pin_budget_fraction=0.6,
+        node_id=f"demo-{mode}",
+    )
     node = await start_node(core, metrics_port=-1)
     pause_samples = sorted(_pause_s(random.Random(cfg.seed + 1), cfg) for _ in range(2000))
     ttl_s = pause_samples[int(0.9 * len(pause_samples))]
@@ -108,8 +113,12 @@ async def _run_mode(mode: str, cfg: DemoConfig) -> ModeResult:
             if turn == cfg.turns - 1:
                 break
             if hinted:
-                await client.push_hints([Pin(session_id=sid, ttl_s=ttl_s, reason="tool:bash"),
-                                         Priority(session_id=sid, program_age_s=time.monotonic() - t0)])
+                await client.push_hints(
+                    [
+                        Pin(session_id=sid, ttl_s=ttl_s, reason="tool:bash"),
+                        Priority(session_id=sid, program_age_s=time.monotonic() - t0),
+                    ]
+                )
                 result.pins_placed += 1
             await asyncio.sleep(_pause_s(prng, cfg))
             ctx = ctx + [prng.randrange(512) for _ in range(cfg.tokens_per_turn)]
@@ -150,7 +159,14 @@ def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
 def format_table(result: dict[str, Any]) -> str:
     pol = result["policies"]
     base = pol["vllm-default"]
-    cols = ["jct_mean_s", "jct_p90_s", "ttft_p50_s", "ttft_p90_s", "across_turn_hit_rate", "recomputed_tokens"]
+    cols = [
+        "jct_mean_s",
+        "jct_p90_s",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "across_turn_hit_rate",
+        "recomputed_tokens",
+    ]
     lines = [f"{'policy':<14}" + "".join(f"{c:>22}" for c in cols)]
     for name, row in pol.items():
         cells = []

@@ -115,17 +115,37 @@ def _stop_on_signal() -> asyncio.Event:
     return stop
 
 
+def make_runtime(engines: Sequence[str], policy: str, cost_model: str | None) -> Any:
+    """A HintRuntime; with a cost model (bundled profile name or JSON path) its prefill times are the
+    router's recompute estimate and the prior of the learned PrefillReload."""
+    from workflows import HintRuntime
+
+    if cost_model is None:
+        return HintRuntime(engines, policy)
+    from engine_adapter._cost_model import load_cost_model
+
+    cm = load_cost_model(cost_model)
+    return HintRuntime(
+        engines, policy, prefill_s=lambda n, p: cm.prefill_time(n, p), prefill_reload_s=cm.prefill_reload_s
+    )
+
+
 async def run_worker(
-    temporal: str | None, engines: Sequence[str], task_queue: str, policy: str, metrics_port: int | None
+    temporal: str | None,
+    engines: Sequence[str],
+    task_queue: str,
+    policy: str,
+    metrics_port: int | None,
+    cost_model: str | None = None,
 ) -> None:
     """Serve the example workflows until SIGINT/SIGTERM; shut the worker down cleanly, then everything else."""
     from temporalio.worker import Worker
 
-    from workflows import HintflowPlugin, HintRuntime
+    from workflows import HintflowPlugin
     from workflows.examples import EXAMPLES
 
     async with local_stack(temporal, engines) as stack:
-        runtime = HintRuntime(stack.engines, policy)
+        runtime = make_runtime(stack.engines, policy, cost_model)
         if metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -153,6 +173,7 @@ class RunConfig:
     background_clients: int = 0  # competing tenants sending cold prompts to every node
     background_prompt_tokens: int = 200
     seed: int = 0
+    cost_model: str | None = None  # bundled profile name or JSON path (router + PrefillReload prior)
     overrides: dict[str, Any] = field(default_factory=dict)  # fields of the example's input dataclass
 
 
@@ -185,7 +206,7 @@ async def run_programs(
     """Start ``cfg.programs`` programs of ``cfg.example`` and return the report (see :func:`summarize`)."""
     from temporalio.worker import Worker
 
-    from workflows import HintflowPlugin, HintRuntime
+    from workflows import HintflowPlugin
     from workflows.examples import EXAMPLES
 
     example = EXAMPLES.get(cfg.example)
@@ -193,7 +214,7 @@ async def run_programs(
         raise ValueError(f"unknown example {cfg.example!r}; known: {', '.join(sorted(EXAMPLES))}")
     inp = example.make_input(**({"time_scale": cfg.time_scale} | cfg.overrides))
     async with local_stack(temporal, engines, num_device_blocks=num_device_blocks) as stack:
-        runtime = HintRuntime(stack.engines, cfg.policy)
+        runtime = make_runtime(stack.engines, cfg.policy, cfg.cost_model)
         task_queue = f"hintflow-run-{uuid.uuid4().hex[:8]}"
         stop = asyncio.Event()
         bg = asyncio.create_task(_background(stack.engines, cfg, stop)) if cfg.background_clients else None

@@ -376,6 +376,18 @@ def _temporal_options(f: Any) -> Any:
     )(f)
 
 
+def _check_cost_model(name: str | None) -> None:
+    """Fail before starting anything: a bad --cost-model should not cost a Temporal server start."""
+    if name is None:
+        return
+    from engine_adapter._cost_model import load_cost_model
+
+    try:
+        load_cost_model(name)
+    except (ValueError, OSError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--cost-model") from exc
+
+
 def _exit_after_temporal(status: int) -> None:
     """The Temporal SDK can abort at interpreter exit even after a clean shutdown: flush, then leave."""
     import os
@@ -390,8 +402,16 @@ def _exit_after_temporal(status: int) -> None:
 @click.option("--task-queue", default="hintflow", show_default=True)
 @click.option("--policy", default="hintflow", show_default=True, help="Hint policy by name.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve /metrics here.")
+@click.option(
+    "--cost-model", default=None, help="Engine cost model (profile name or JSON) for routing and pin TTLs."
+)
 def worker(
-    temporal: str | None, engines: list[str], task_queue: str, policy: str, metrics_port: int | None
+    temporal: str | None,
+    engines: list[str],
+    task_queue: str,
+    policy: str,
+    metrics_port: int | None,
+    cost_model: str | None,
 ) -> None:
     """Run a Temporal worker with the hintflow plugin and the example workflows until Ctrl-C."""
     import asyncio
@@ -402,10 +422,11 @@ def worker(
 
     if policy not in POLICIES:
         raise click.BadParameter(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}")
+    _check_cost_model(cost_model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     status = 0
     try:
-        asyncio.run(run_worker(temporal, engines, task_queue, policy, metrics_port))
+        asyncio.run(run_worker(temporal, engines, task_queue, policy, metrics_port, cost_model))
     except Exception as exc:
         click.echo(f"hintflow worker: {exc}", err=True)
         status = 1
@@ -450,6 +471,9 @@ def worker(
     help="Override a field of the example's input, e.g. --set turns=12.",
 )
 @click.option(
+    "--cost-model", default=None, help="Engine cost model (profile name or JSON) for routing and pin TTLs."
+)
+@click.option(
     "--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the report here."
 )
 def run(
@@ -482,6 +506,7 @@ def run(
             overrides[name] = json.loads(raw)
         except json.JSONDecodeError:
             overrides[name] = raw
+    _check_cost_model(kw.get("cost_model"))
     cfg = RunConfig(example=example, overrides=overrides, **kw)
     status = 0
     try:

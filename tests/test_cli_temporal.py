@@ -48,6 +48,10 @@ def test_run_rejects_bad_input_clearly() -> None:
         CLI + ["run", "coding-agent", "--engines", "localhost"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "is not HOST:PORT" in r.stderr
+    r = subprocess.run(
+        CLI + ["run", "coding-agent", "--cost-model", "nope"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "no cost model file 'nope'" in r.stderr
 
 
 def test_worker_starts_serves_and_stops_cleanly_on_sigint() -> None:
