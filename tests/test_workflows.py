@@ -258,3 +258,20 @@ async def test_bad_prompt_fails_fast_without_retry(temporal_env: Any, start_engi
     assert "prompt" in text, text
 
 
+
+
+async def test_router_spreads_programs_over_nodes_and_keeps_sessions_warm(
+    temporal_env: Any, start_engine: Any
+) -> None:
+    """Every program shares the coding agent's system prompt (a hot prefix): programs still spread over
+    both nodes, and a session's later turns go back to the node that holds its context."""
+    nodes = [await start_engine(f"node-r{i}", num_device_blocks=512) for i in range(2)]
+    rt = HintRuntime([n.address for n in nodes], "hintflow")
+    inp = CodingAgentInput(turns=4, time_scale=0.02)
+    reports = await _run(temporal_env, rt, [CodingAgent], [(CodingAgent.run, inp)] * 6)
+    first_nodes = {r.turns[0].node for r in reports}
+    assert first_nodes == {n.address for n in nodes}, first_nodes
+    for r in reports:
+        moves = sum(a.node != b.node for a, b in zip(r.turns, r.turns[1:], strict=False))
+        assert moves <= 1, [t.node for t in r.turns]
+        assert all(t.cached_tokens >= t.history_tokens - 16 for t in r.turns[1:] if t.node == r.turns[0].node)
