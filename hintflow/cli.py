@@ -570,3 +570,19 @@ def _run_table(r: dict[str, Any]) -> str:
         f"{r['pins_placed']} (held to the next turn {r['pins_held']}, expired {r['pins_expired']}), wall {r['wall_s']:.1f} s"
     )
     return "\n".join(lines)
+
+
+@hintflow.command("make-tiny-model")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+def make_tiny_model_cmd(out_dir: Path) -> None:
+    """Build the random-weight Llama test model and a byte-level BPE tokenizer in OUT_DIR (no hub access).
+
+    Needs transformers and tokenizers, which come with vLLM (run it with the .venv-vllm Python)."""
+    try:
+        from engine_adapter.vllm_backend._tiny_model import make_tiny_model
+    except ImportError as exc:
+        raise click.ClickException(
+            f"{exc}: run this with the Python that has vLLM (.venv-vllm/bin/python)"
+        ) from exc
+    path = make_tiny_model(out_dir)
+    click.echo(f"wrote {path}")

@@ -1,0 +1,221 @@
+"""hintflow's ``EngineNode.PushHints`` / ``GetCacheState`` served from inside vLLM's engine-core process.
+
+Why inside: the scheduler's blocks and queues live in that process, so a hint applied there takes effect
+on the next step with no extra hop and no second copy of state to drift. A plain thread-pool gRPC server
+(not grpc.aio: the engine-core process runs vLLM's busy loop, not an event loop of ours) applies each
+batch under the scheduler's ``hint_lock``, the same lock ``schedule()`` holds, so a hint lands between two
+steps. Per-hint results follow the embedded node (``engine_adapter._engine``): NOT_FOUND for an unknown
+session or program, INVALID_ARGUMENT for a hint that does not decode, and a bad hint never ends the
+stream. Other RPCs of the service (Generate, export/import) answer UNIMPLEMENTED: requests go through
+vLLM's OpenAI server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from hints import (
+    CacheState,
+    EvictionOrder,
+    Expect,
+    HintAck,
+    HintDecodeError,
+    HintModel,
+    HintResult,
+    Pin,
+    Prefetch,
+    Priority,
+    Release,
+    ack_to_proto,
+    batch_from_proto_lenient,
+    cache_state_to_proto,
+    engine_pb2_grpc,
+)
+from hints._models import SessionResidency
+
+if TYPE_CHECKING:
+    from ._scheduler import HintflowScheduler
+
+__all__ = ["HintServer", "apply_hints", "cache_state", "start_hint_server"]
+
+log = logging.getLogger(__name__)
+
+
+class _Error(Exception):
+    code = "INTERNAL"
+
+
+class _NotFound(_Error):
+    code = "NOT_FOUND"
+
+
+class _Invalid(_Error):
+    code = "INVALID_ARGUMENT"
+
+
+def apply_hints(sched: HintflowScheduler, hints: Sequence[HintModel | HintDecodeError]) -> list[HintResult]:
+    """Apply a batch in order under the scheduler lock; one result per hint."""
+    results = []
+    with sched.hint_lock:
+        sched.book.expire()  # an idle engine does not step: leases must still run out on time
+        for i, h in enumerate(hints):
+            try:
+                results.append(_apply(sched, i, h))
+            except _Error as e:
+                results.append(HintResult(index=i, code=e.code, message=str(e)[:4000]))
+    return results
+
+
+def _session(sched: HintflowScheduler, session_id: str) -> Any:
+    s = sched.book.sessions.get(session_id)
+    if s is None:
+        raise _NotFound(f"unknown session {session_id!r} on node {sched.node_id}")
+    return s
+
+
+def _apply(sched: HintflowScheduler, i: int, h: HintModel | HintDecodeError) -> HintResult:
+    book = sched.book
+    if isinstance(h, HintDecodeError):
+        raise _Invalid(str(h))
+    if isinstance(h, Pin):
+        s = _session(sched, h.session_id)
+        g = book.set_pin(s, h.ttl_s)
+        msg = "pin applies when the running turn ends" if g.deferred else ""
+        if g.clamped:
+            msg = f"pin clamped to {g.pinned_blocks} of {g.requested_blocks} blocks"
+        if not sched.pins_supported:
+            msg = "recorded only: this vLLM configuration cannot hold blocks (see the node's log)"
+        return HintResult(
+            index=i,
+            message=msg,
+            clamped=g.clamped,
+            pinned_blocks=g.pinned_blocks,
+            requested_blocks=g.requested_blocks,
+        )
+    if isinstance(h, Release):
+        if h.program_id not in book.programs:
+            raise _NotFound(f"unknown program {h.program_id!r} on node {sched.node_id}")
+        book.release_program(h.program_id)
+        return HintResult(index=i)
+    if isinstance(h, Priority):
+        sessions = [_session(sched, h.session_id)]
+        if h.program_id:
+            sessions += [book.sessions[sid] for sid in book.programs.get(h.program_id, ())]
+        now = book.clock()
+        for s in sessions:
+            s.program_start_s = now - h.program_age_s
+            s.priority_class = h.priority_class
+            sched.reprioritize(s)
+        msg = "" if sched.policy.name == "PRIORITY" else "recorded: vLLM runs with --scheduling-policy fcfs"
+        return HintResult(index=i, message=msg)
+    if isinstance(h, EvictionOrder):
+        unknown = []
+        now = book.clock()
+        known = []
+        for e in h.entries:
+            s = book.sessions.get(e.session_id)
+            if s is None:
+                unknown.append(e.session_id)
+            else:
+                s.next_use_deadline_s = now + e.next_use_s
+                known.append(s)
+        if sched.pins_supported:
+            book.place_by_next_use(known)
+        if unknown:
+            raise _NotFound(f"{len(unknown)} unknown session(s), e.g. {unknown[0]!r}; the others were applied")
+        return HintResult(index=i)
+    if isinstance(h, Prefetch):
+        s = _session(sched, h.session_id)
+        s.next_use_deadline_s = book.clock() + h.at_s
+        return HintResult(index=i, message="no host tier on this node: recorded as a next use")
+    if isinstance(h, Expect):
+        _session(sched, h.session_id).expected_output_tokens = h.output_tokens
+        return HintResult(index=i)
+    raise _Invalid(f"unsupported hint {type(h).__name__}")
+
+
+def cache_state(sched: HintflowScheduler, include_sessions: bool) -> CacheState:
+    """The node's state in the protocol's terms, read under the scheduler lock."""
+    with sched.hint_lock:
+        sched.book.expire()
+        pool = sched.kv_cache_manager.block_pool
+        bs = sched.block_size
+        sessions = []
+        if include_sessions:
+            for s in sched.book.sessions.values():
+                sessions.append(
+                    SessionResidency(
+                        session_id=s.session_id,
+                        program_id=s.program_id,
+                        device_tokens=s.resident_blocks() * bs,
+                        pinned=bool(s.held),
+                        state=s.state,  # type: ignore[arg-type]
+                    )
+                )
+        return CacheState(
+            node_id=sched.node_id,
+            model_name=sched.model_name,
+            block_size=bs,
+            total_blocks=sched.book.num_blocks,
+            free_blocks=pool.get_num_free_blocks(),
+            pinned_blocks=sched.book.num_pinned_blocks,
+            host_total_blocks=0,
+            host_free_blocks=0,
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            prefill_backlog_tokens=sched.prefill_backlog_tokens(),
+            sessions=sessions,
+            node_time_s=sched.book.clock(),
+        )
+
+
+class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
+    def __init__(self, sched: HintflowScheduler) -> None:
+        self.sched = sched
+
+    def PushHints(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        for batch in request_iterator:
+            yield self._apply_batch(batch)
+
+    def _apply_batch(self, batch: Any) -> Any:
+        try:
+            decoded = batch_from_proto_lenient(batch)
+            results = apply_hints(self.sched, decoded.hints)
+            return ack_to_proto(HintAck(batch_id=decoded.batch_id, results=results))
+        except Exception as e:  # an engine bug still answers the batch rather than ending the stream
+            log.exception("applying hint batch %d failed", batch.batch_id)
+            results = [
+                HintResult(index=i, code="INTERNAL", message=f"{type(e).__name__}: {e}"[:4000])
+                for i in range(len(batch.hints))
+            ]
+            return ack_to_proto(HintAck(batch_id=batch.batch_id, results=results))
+
+    def GetCacheState(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return cache_state_to_proto(cache_state(self.sched, request.include_sessions))
+
+
+@dataclass
+class HintServer:
+    server: grpc.Server
+    port: int
+
+    def stop(self) -> None:
+        self.server.stop(grace=0.5)
+
+
+def start_hint_server(sched: HintflowScheduler, port: int, host: str = "127.0.0.1") -> HintServer:
+    """Serve the hint service on ``host:port`` (0: a free port) from a small thread pool."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="hintflow-hints"))
+    engine_pb2_grpc.add_EngineNodeServicer_to_server(_Servicer(sched), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"hintflow: cannot bind the hint service to {host}:{port}")
+    server.start()
+    return HintServer(server, bound)
+

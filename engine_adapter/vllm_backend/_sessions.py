@@ -1,0 +1,306 @@
+"""Sessions, pins as leases, and Release, over vLLM's own KV blocks (no vLLM import: blocks are duck-typed).
+
+vLLM frees a finished request's blocks at once: hashed ones go to the tail of the free queue (evicted
+LRU-first), so under memory pressure an agent's context is gone before its tool returns. This book keeps
+the semantics of ``engine_adapter._kv_manager`` on vLLM's structures:
+
+- a *session* is vLLM's own ``Request.session_id`` (the OpenAI ``session_id`` field); its program is the
+  ``program_id`` in ``vllm_xargs`` (else the session id);
+- a pin *holds a reference* on the leading hashed blocks of the session's last finished request, so the
+  block pool cannot hand them out (``ref_cnt > 0`` keeps them out of the free queue) while prefix lookups
+  still hit them; unpinning frees them the way vLLM would, tail first;
+- a pin that arrives after the request finished re-acquires the blocks that are still cached
+  (``BlockPool.touch``, vLLM's own prefix-hit path), up to the first one that was evicted;
+- pins are leases on this process's monotonic clock, bounded by a budget of distinct blocks (a shared
+  prefix pinned twice costs once), consumed when the session's next request is admitted, kept past expiry
+  while that next request waits, dropped latest-program-first when they block all progress (deadlock).
+
+Callers hold the scheduler's lock; nothing here is thread-safe on its own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._free_queue import Block, place_by_next_use
+
+__all__ = ["PinGrant", "SessionBook", "VSession"]
+
+IDLE_FORGET_S = 3600.0
+"""A session with no request, pin or hint for this long is forgotten (its blocks are vLLM's again)."""
+
+
+@dataclass(eq=False)
+class VSession:
+    session_id: str
+    program_id: str
+    first_seen_s: float
+    last_active_s: float
+    live: set[str] = field(default_factory=set)  # request ids not finished
+    admitted: set[str] = field(default_factory=set)  # of those, the ones vLLM has scheduled
+    snapshot: list[tuple[Block, Any]] = field(default_factory=list)  # (block, its hash) of the last turn
+    held: list[Block] = field(default_factory=list)  # blocks this book holds a reference on (the pin)
+    pin_deadline_s: float | None = None
+    pin_seq: int = 0
+    next_use_deadline_s: float | None = None
+    program_start_s: float | None = None
+    priority_class: int | None = None
+    expected_output_tokens: int | None = None
+    released: bool = False
+
+    @property
+    def waiting(self) -> bool:
+        """A request of this session is queued but not yet admitted (its pin must not expire now)."""
+        return bool(self.live - self.admitted)
+
+    @property
+    def state(self) -> str:
+        if self.admitted & self.live:
+            return "running"
+        return "waiting" if self.live else "parked"
+
+    def resident_blocks(self) -> int:
+        """Leading blocks of the last turn still cached (held, or free but not yet evicted)."""
+        n = 0
+        for block, h in self.snapshot:
+            if block.block_hash != h:
+                break
+            n += 1
+        return max(n, len(self.held))
+
+
+@dataclass
+class PinGrant:
+    pinned_blocks: int
+    requested_blocks: int
+    deferred: bool = False
+
+    @property
+    def clamped(self) -> bool:
+        return self.pinned_blocks < self.requested_blocks and not self.deferred
+
+
+@dataclass
+class BookStats:
+    pin_expiries: int = 0
+    pin_clamps: int = 0
+    forced_unpins: int = 0
+    released_sessions: int = 0
+
+
+class SessionBook:
+    """See the module docstring. ``pool`` is vLLM's ``BlockPool`` (``touch``, ``free_blocks``)."""
+
+    def __init__(
+        self,
+        pool: Any,
+        num_blocks: int,
+        *,
+        pin_budget_fraction: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0.0 <= pin_budget_fraction < 1.0:
+            raise ValueError(f"pin_budget_fraction must be in [0, 1), got {pin_budget_fraction}")
+        self.pool = pool
+        self.num_blocks = num_blocks
+        self.pin_budget_blocks = int(pin_budget_fraction * num_blocks)
+        self.clock = clock
+        self.sessions: dict[str, VSession] = {}
+        self.programs: dict[str, set[str]] = {}
+        self.stats = BookStats()
+        self._pin_count: dict[int, int] = {}  # block id -> pins holding it
+        self._expiry: list[tuple[float, int, str]] = []
+        self._seq = itertools.count(1)
+        self._next_sweep_s = 0.0
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pin_count)
+
+    # ---- sessions and requests ---------------------------------------------------------------------
+    def session(self, session_id: str, program_id: str = "") -> VSession:
+        s = self.sessions.get(session_id)
+        now = self.clock()
+        if s is None:
+            s = VSession(session_id, program_id or session_id, first_seen_s=now, last_active_s=now)
+            self.sessions[session_id] = s
+            self.programs.setdefault(s.program_id, set()).add(session_id)
+        s.last_active_s = now
+        return s
+
+    def on_request_added(self, s: VSession, request_id: str) -> None:
+        s.live.add(request_id)
+        s.released = False  # a program that comes back after Release starts afresh
+
+    def on_admitted(self, s: VSession, request_id: str) -> None:
+        """The session's next turn runs: the pause its pin bridged is over, so the pin is consumed.
+
+        Its blocks were prefix hits of the admitted request, so they stay referenced by it.
+        """
+        s.admitted.add(request_id)
+        s.pin_deadline_s = None
+        self._unpin(s)
+
+    def on_request_finished(self, s: VSession, request_id: str, blocks: Sequence[Block]) -> None:
+        """Take over the finished request's blocks: hold the pinned prefix, free the rest as vLLM would."""
+        s.live.discard(request_id)
+        s.admitted.discard(request_id)
+        s.last_active_s = self.clock()
+        if s.next_use_deadline_s is not None and s.next_use_deadline_s <= s.last_active_s:
+            s.next_use_deadline_s = None  # the predicted use happened
+        prefix: list[Block] = []
+        for b in blocks:
+            if b.is_null or b.block_hash is None:
+                break
+            prefix.append(b)
+        s.snapshot = [(b, b.block_hash) for b in prefix]
+        self._unpin(s)  # an old hold (two turns in flight at once): the new turn's blocks replace it
+        keep = 0
+        if not s.released and s.pin_deadline_s is not None and s.pin_deadline_s > self.clock():
+            keep = self._grant(s, prefix, already_referenced=True).pinned_blocks
+        rest = list(blocks[keep:])
+        self.pool.free_blocks(reversed(rest))  # tail first, exactly vLLM's own order
+        if s.next_use_deadline_s is not None and not s.released:
+            self.place_by_next_use([s])
+        if s.released and not s.live:
+            self._forget(s)
+
+    # ---- pins ----------------------------------------------------------------------------------
+    def set_pin(self, s: VSession, ttl_s: float) -> PinGrant:
+        if ttl_s <= 0:
+            s.pin_deadline_s = None
+            self._unpin(s)
+            return PinGrant(0, 0)
+        s.pin_deadline_s = self.clock() + ttl_s
+        s.pin_seq = next(self._seq)
+        heapq.heappush(self._expiry, (s.pin_deadline_s, s.pin_seq, s.session_id))
+        if s.live:
+            return PinGrant(0, len(s.snapshot), deferred=True)  # applies when the running turn ends
+        return self._grant(s, [b for b, _ in s.snapshot], already_referenced=False, hashes=s.snapshot)
+
+    def _grant(
+        self,
+        s: VSession,
+        prefix: Sequence[Block],
+        *,
+        already_referenced: bool,
+        hashes: Sequence[tuple[Block, Any]] | None = None,
+    ) -> PinGrant:
+        """Hold up to the pin budget of ``prefix``; re-acquire (touch) blocks the book does not yet own."""
+        held_ids = {b.block_id for b in s.held}
+        for idx, b in enumerate(prefix):
+            if hashes is not None and b.block_hash != hashes[idx][1]:
+                break  # evicted (and maybe reused) since the turn ended: the prefix stops here
+            if b.block_id in held_ids:
+                continue
+            if b.block_id not in self._pin_count and len(self._pin_count) >= self.pin_budget_blocks:
+                break
+            if not already_referenced:
+                self.pool.touch([b])  # vLLM's prefix-hit path: out of the free queue, ref_cnt + 1
+            self._pin_count[b.block_id] = self._pin_count.get(b.block_id, 0) + 1
+            s.held.append(b)
+        grant = PinGrant(len(s.held), len(prefix))
+        if grant.clamped:
+            self.stats.pin_clamps += 1
+        return grant
+
+    def _unpin(self, s: VSession) -> None:
+        if not s.held:
+            return
+        for b in s.held:
+            n = self._pin_count[b.block_id] - 1
+            if n:
+                self._pin_count[b.block_id] = n
+            else:
+                del self._pin_count[b.block_id]
+        held, s.held = s.held, []
+        self.pool.free_blocks(reversed(held))
+
+    def force_unpin_latest(self) -> bool:
+        """Deadlock rule: pins block all progress, so the latest-arriving program lets go first."""
+        pinned = [s for s in self.sessions.values() if s.held]
+        if not pinned:
+            return False
+        s = max(pinned, key=lambda x: (x.program_start_s or x.first_seen_s, x.first_seen_s))
+        for sid in self.programs.get(s.program_id, {s.session_id}):
+            other = self.sessions.get(sid)
+            if other is not None and other.held:
+                other.pin_deadline_s = None
+                self._unpin(other)
+        self.stats.forced_unpins += 1
+        return True
+
+    def expire(self) -> bool:
+        """Drop leases that ran out (unless the session's next turn is queued); cheap when none is due."""
+        now = self.clock()
+        changed = False
+        while self._expiry and self._expiry[0][0] <= now:
+            _, seq, sid = heapq.heappop(self._expiry)
+            s = self.sessions.get(sid)
+            if s is None or s.pin_seq != seq or s.pin_deadline_s is None or s.waiting:
+                continue
+            s.pin_deadline_s = None
+            if s.held:
+                self._unpin(s)
+                self.stats.pin_expiries += 1
+                changed = True
+        if now >= self._next_sweep_s:
+            self._next_sweep_s = now + 60.0
+            for s in list(self.sessions.values()):
+                idle = not s.live and not s.held and now - s.last_active_s > IDLE_FORGET_S
+                if idle:
+                    self._forget(s)
+        return changed
+
+    # ---- Release -------------------------------------------------------------------------------
+    def release_program(self, program_id: str) -> int:
+        """Free the program's pinned contexts now; sessions with a turn in flight free it at its end."""
+        ids = list(self.programs.get(program_id, ()))
+        for sid in ids:
+            s = self.sessions[sid]
+            s.released = True
+            s.pin_deadline_s = None
+            self._unpin(s)
+            self._evict_snapshot_first(s)
+            if not s.live:
+                self._forget(s)
+        self.stats.released_sessions += len(ids)
+        return len(ids)
+
+    def _evict_snapshot_first(self, s: VSession) -> None:
+        """A released context is never needed again: its free blocks are the first vLLM reuses."""
+        place_by_next_use(self.pool.free_block_queue, [(float("inf"), s.snapshot)])
+        s.snapshot = []
+
+    # ---- EvictionOrder -------------------------------------------------------------------------------
+    def place_by_next_use(self, sessions: Sequence[VSession]) -> int:
+        """Reorder the free queue for these hinted sessions (``_free_queue.place_by_next_use``)."""
+        now = self.clock()
+        hinted = [(x.next_use_deadline_s - now, x.snapshot) for x in sessions if x.next_use_deadline_s is not None]
+        return place_by_next_use(self.pool.free_block_queue, hinted)
+
+    def _forget(self, s: VSession) -> None:
+        self._unpin(s)
+        self.sessions.pop(s.session_id, None)
+        members = self.programs.get(s.program_id)
+        if members is not None:
+            members.discard(s.session_id)
+            if not members:
+                del self.programs[s.program_id]
+
+    def check_invariants(self) -> None:
+        counts: dict[int, int] = {}
+        for s in self.sessions.values():
+            for b in s.held:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
+                if b.ref_cnt < 1:
+                    raise AssertionError(f"{s.session_id}: holds block {b.block_id} with ref_cnt {b.ref_cnt}")
+        if counts != self._pin_count:
+            raise AssertionError("pin counts disagree with sessions")
+        if len(counts) > self.pin_budget_blocks:
+            raise AssertionError("pinned blocks over budget")
