@@ -292,6 +292,15 @@ def main() -> None:
     hintflow(prog_name="hintflow")
 
 
+def _register_replay() -> None:
+    from replay._cli import replay_command
+
+    hintflow.add_command(replay_command, "replay")
+
+
+_register_replay()
+
+
 @engine.command("bench")
 @click.option(
     "--sessions", type=click.IntRange(min=1), default=10_000, show_default=True, help="Live sessions."

@@ -12,6 +12,7 @@ from replay._generators import (
     poisson_arrivals,
     with_poisson_arrivals,
 )
+from replay._policies import REPLAY_CONFIGS, ReplayConfig, get_replay_config, parse_policy_list
 from replay._readers import (
     MOONCAKE_BLOCK_SIZE,
     dump_jsonl,
@@ -22,32 +23,60 @@ from replay._readers import (
     read_trie,
     read_workload,
 )
+from replay._report import REQUIRED_KEYS, metrics, render_table, report_json, write_plots
+from replay._setup import WORKLOAD_DEFAULTS, ReplaySetup, estimate_live_context_tokens, run_replay
+from replay._sim import SimResult, Simulation
 from replay._trace import JOIN_KINDS, JoinKind, Program, Session, TraceError, Turn, scale_tokens
 
 __all__ = [
     "GENERATORS",
     "JOIN_KINDS",
     "MOONCAKE_BLOCK_SIZE",
+    "REPLAY_CONFIGS",
+    "REQUIRED_KEYS",
+    "WORKLOAD_DEFAULTS",
     "HumanInLoop",
     "JoinKind",
     "MultiAgent",
     "Program",
+    "ReplayConfig",
+    "ReplaySetup",
     "Session",
+    "SimResult",
+    "Simulation",
     "SweAgent",
     "TraceError",
     "Turn",
     "WorkloadGenerator",
     "capped_lognormal_moments",
     "dump_jsonl",
+    "estimate_live_context_tokens",
     "generate",
+    "get_replay_config",
     "load_jsonl",
     "lognormal_params",
+    "metrics",
+    "parse_policy_list",
     "poisson_arrivals",
     "program_from_dict",
     "program_to_dict",
     "read_mooncake",
     "read_trie",
     "read_workload",
+    "render_table",
+    "replay_command",
+    "report_json",
+    "run_replay",
     "scale_tokens",
     "with_poisson_arrivals",
+    "write_plots",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``replay_command`` imports click only when asked for (the library API does not need it)."""
+    if name == "replay_command":
+        from replay._cli import replay_command
+
+        return replay_command
+    raise AttributeError(f"module 'replay' has no attribute {name!r}")

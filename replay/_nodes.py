@@ -1,0 +1,133 @@
+"""Engine nodes on one virtual clock: each an unmodified ``EngineCore`` with a modeled executor.
+
+Why one shared ``VirtualClock`` rather than a clock per node: every hint, submit and pin lease is stamped
+by the node's own clock, and the simulator moves that clock to the time of each event before handling it,
+so all nodes and the orchestrator read the same time and nothing ever runs "in the future".  The catch is
+that ``EngineCore.step()`` advances a virtual clock by the step's modeled time itself, which would let one
+node's step move every node's time.  So a step is run in two events, as the serving engine's thread does
+(schedule, then execute without the lock while hints and submits keep arriving, then update):
+
+    t          step start: ``scheduler.schedule()`` and ``executor.execute()`` (priced, not computed)
+    t+elapsed  step end:   ``scheduler.update()``: tokens committed, finished requests reported at t+elapsed
+
+Between the two, hints and new requests reach the node at their own times, exactly as they would reach a
+serving node mid-step.  The node is otherwise the real one: scheduler, KV manager, pins, eviction, host tier.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_adapter._cost_model import CostModel
+from engine_adapter._engine import EngineCore
+from engine_adapter._executor import ScheduledBatch, StepOutput, VirtualClock
+from engine_adapter._modeled_executor import ModeledExecutor
+from engine_adapter._scheduler import Request, SchedulerConfig
+from replay._policies import ReplayConfig
+
+__all__ = ["NodeSpec", "SimNode", "build_nodes"]
+
+Schedule = Callable[[float, Callable[[], None]], None]  # (at time, action): the simulator's event queue
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """What every node of one replay shares: pool sizes (tokens), cost model, batch limits."""
+
+    num_device_tokens: int
+    num_host_tokens: int
+    cost_model: CostModel
+    vocab_size: int = 512
+    max_model_len: int = 1 << 20
+    max_num_seqs: int = 64
+    cold_prefill_fraction: float = 0.25  # of the step budget, when the config caps cold prefills
+
+
+@dataclass(eq=False)
+class SimNode:
+    """One engine node and the bookkeeping the simulator needs around it (busy flag, pinned integral)."""
+
+    address: str
+    engine: EngineCore
+    busy: bool = False
+    num_steps: int = 0
+    num_blocked_polls: int = 0
+    num_deadlock_unpins: int = 0
+    poll_s: float = 0.05
+    pinned_token_s: float = 0.0  # integral of pinned tokens over virtual time
+    _last_account_s: float = 0.0
+    _last_pinned_tokens: int = 0
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    def account(self, now_s: float) -> None:
+        """Integrate pinned memory up to ``now_s`` (called whenever pins may have changed)."""
+        self.pinned_token_s += self._last_pinned_tokens * max(0.0, now_s - self._last_account_s)
+        self._last_account_s = now_s
+        self._last_pinned_tokens = self.engine.kv.num_pinned_blocks * self.block_size
+
+    def kick(self, now_s: float, schedule: Schedule, on_step_end: Callable[[SimNode], None]) -> None:
+        """Start a step now if the node is idle and has anything to do."""
+        if self.busy or not self.engine.scheduler.has_work():
+            return
+        self.busy = True
+        schedule(now_s, lambda: self._start(schedule, on_step_end))
+
+    def _start(self, schedule: Schedule, on_step_end: Callable[[SimNode], None]) -> None:
+        eng = self.engine
+        batch = eng.scheduler.schedule()
+        now = eng.clock.now()
+        self.account(now)
+        if batch.is_empty():  # queued work that cannot be admitted yet (memory held by pins): poll,
+            self.num_blocked_polls += 1  # as the serving loop does when idle with work waiting
+            if not eng.scheduler.running and eng.kv.force_unpin_latest():
+                # Engine gap, worked around here: the scheduler applies its deadlock rule (unpin the
+                # latest program) only for a running request; a queue head blocked by the pin of a
+                # *queued* session (whose lease never expires while it waits) would wait forever.
+                self.num_deadlock_unpins += 1
+            schedule(now + self.poll_s, lambda: self._start(schedule, on_step_end))
+            return
+        out = eng.executor.execute(batch)
+        self.num_steps += 1
+        schedule(now + out.elapsed_s, lambda: self._end(batch, out, on_step_end))
+
+    def _end(self, batch: ScheduledBatch, out: StepOutput, on_step_end: Callable[[SimNode], None]) -> None:
+        eng = self.engine
+        eng.scheduler.update(batch, out)
+        for o in eng.observers:
+            o.on_step(batch, out)
+        eng._changed()
+        self.account(eng.clock.now())
+        self.busy = False
+        on_step_end(self)
+
+
+def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: VirtualClock) -> list[SimNode]:
+    """``num_nodes`` engines configured for ``config``, all on ``clock``; finished requests are collected
+    per node (``SimNode.finished``) so the simulator handles them at the step's end time."""
+    cm = spec.cost_model
+    bs = cm.block_size
+    budget = cm.max_batched_tokens
+    cold = max(bs, int(budget * spec.cold_prefill_fraction)) if config.cold_prefill_cap else budget
+    sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=spec.max_num_seqs,
+                            cold_prefill_budget_tokens=cold)
+    num_host_blocks = math.ceil(spec.num_host_tokens / bs) if config.host_tier else 0
+    nodes = []
+    for i in range(num_nodes):
+        executor = ModeledExecutor(cm, math.ceil(spec.num_device_tokens / bs), num_host_blocks,
+                                   vocab_size=spec.vocab_size, max_model_len=spec.max_model_len, seed=i)
+        engine = EngineCore(executor, clock=clock, scheduler_config=sched, eviction_policy=config.eviction_policy,
+                            retain_contexts=config.retain_contexts, node_id=f"node-{i}")
+        node = SimNode(f"node-{i}", engine)
+
+        def finish(req: Request, node: SimNode = node) -> None:
+            node.finished.append(req)
+
+        engine.scheduler.on_finish = finish
+        nodes.append(node)
+    return nodes

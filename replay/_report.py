@@ -1,0 +1,181 @@
+"""From replay results to numbers: per-policy metrics, the side-by-side table, JSON, and PNG plots.
+
+Hit rates follow the engine's metric definitions (``engine_adapter/_metrics.py``):
+
+* ``across_turn_hit_rate``: of the tokens a session computed in earlier turns (its history), the fraction
+  its next prompt found on device or reloaded from host; a host reload is a hit, and its copy time is
+  inside the step that runs the turn, so it is inside TTFT;
+* ``within_turn_hit_rate``: of the prompt tokens that are not the session's history (new input, a shared
+  system prompt), the fraction found cached: prefixes shared with other sessions;
+* ``prompt_hit_rate``: all hits over all prompt tokens.
+
+Ratios in the table are ``policy / baseline`` for times (below 1 is faster) and tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay._setup import ReplaySetup
+from replay._sim import SimResult
+
+__all__ = ["REQUIRED_KEYS", "metrics", "render_table", "report_json", "write_plots"]
+
+REQUIRED_KEYS = ("jct_mean_s", "jct_p50_s", "jct_p90_s", "jct_p99_s", "ttft_p50_s", "ttft_p90_s",
+                 "ttft_p99_s", "across_turn_hit_rate", "within_turn_hit_rate", "recomputed_tokens",
+                 "throughput_tokens_per_s")
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else 0.0
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def metrics(result: SimResult) -> dict[str, Any]:
+    """Every reported figure of one configuration's replay (seconds, tokens, fractions)."""
+    turns, runs = result.turns, result.programs
+    jct = [r.jct_s for r in runs]
+    ttft = [t.ttft_s for t in turns]
+    wait = [t.queue_wait_s for t in turns]
+    history = sum(t.history_tokens for t in turns)
+    prompt = sum(t.prompt_tokens for t in turns)
+    output = sum(t.output_tokens for t in turns)
+    hits = sum(t.hit_tokens for t in turns)
+    across = sum(t.across_hit_tokens for t in turns)
+    moves = 0
+    last_node: dict[str, str] = {}
+    for t in sorted(turns, key=lambda t: t.ready_s):
+        moves += int(last_node.setdefault(t.session_key, t.node) != t.node)
+        last_node[t.session_key] = t.node
+    stats = [n.engine.kv.stats for n in result.nodes]
+    m: dict[str, Any] = {
+        "jct_mean_s": float(np.mean(jct)) if jct else 0.0,
+        "jct_p50_s": _pct(jct, 50), "jct_p90_s": _pct(jct, 90), "jct_p99_s": _pct(jct, 99),
+        "ttft_mean_s": float(np.mean(ttft)) if ttft else 0.0,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
+        "queue_wait_mean_s": float(np.mean(wait)) if wait else 0.0,
+        "queue_wait_p50_s": _pct(wait, 50), "queue_wait_p90_s": _pct(wait, 90),
+        "across_turn_hit_rate": _ratio(across, history),
+        "within_turn_hit_rate": _ratio(hits - across, prompt - history),
+        "prompt_hit_rate": _ratio(hits, prompt),
+        "host_hit_tokens": sum(t.host_hit_tokens for t in turns),
+        "recomputed_tokens": sum(t.recomputed_tokens for t in turns),
+        "computed_prompt_tokens": sum(t.computed_tokens for t in turns),
+        "throughput_tokens_per_s": _ratio(output, result.makespan_s),
+        "prompt_throughput_tokens_per_s": _ratio(prompt, result.makespan_s),
+        "pinned_token_seconds": sum(n.pinned_token_s for n in result.nodes),
+        "migrations": 0,  # no context is moved between nodes yet (export/import); see session_moves
+        "session_moves": moves,
+        "preemptions": sum(n.engine.scheduler.num_preemptions for n in result.nodes),
+        "evicted_blocks": sum(s.evicted_blocks for s in stats),
+        "offloaded_blocks": sum(s.offloaded_blocks for s in stats),
+        "reloaded_blocks": sum(s.reloaded_blocks for s in stats),
+        "pin_expiries": sum(s.pin_expiries for s in stats),
+        "num_programs": len(runs),
+        "num_turns": len(turns),
+        "makespan_s": result.makespan_s,
+        "wall_s": result.wall_s,
+        "num_steps": sum(n.num_steps for n in result.nodes),
+        "num_events": result.num_events,
+    }
+    m.update(result.extra)
+    return m
+
+
+def report_json(setup: ReplaySetup, results: Sequence[SimResult]) -> dict[str, Any]:
+    """``{"policies": {name: metrics}, "config": setup and each policy's configuration}``."""
+    config = dataclasses.asdict(setup)
+    config["executor"] = "modeled"
+    config["policy_configs"] = {r.config.name: dataclasses.asdict(r.config) for r in results}
+    return {"policies": {r.config.name: metrics(r) for r in results}, "config": config}
+
+
+_COLUMNS = (("JCT mean", "jct_mean_s", "s"), ("JCT p90", "jct_p90_s", "s"), ("TTFT p50", "ttft_p50_s", "s"),
+            ("TTFT p90", "ttft_p90_s", "s"), ("queue wait", "queue_wait_mean_s", "s"),
+            ("across-turn hits", "across_turn_hit_rate", "%"), ("recomputed", "recomputed_tokens", "n"),
+            ("tok/s", "throughput_tokens_per_s", "f"), ("pinned tok·s", "pinned_token_seconds", "n"))
+
+
+def _cell(value: float, kind: str, base: dict[str, float]) -> str:
+    if kind == "%":
+        return f"{value:.1%}"
+    text = f"{value:,.0f}" if kind in ("n", "f") else f"{value:.2f} s"
+    ratios = [f"{value / b:.2f}×" for b in base.values() if b and kind != "f"]
+    return f"{text} ({' / '.join(ratios)})" if ratios else text
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """A markdown table; times and token counts carry (× vllm-default / × oracle) where both ran."""
+    pols = report["policies"]
+    refs = [n for n in ("vllm-default", "oracle") if n in pols]
+    lines = ["| policy | " + " | ".join(c[0] for c in _COLUMNS) + " |",
+             "|---" * (len(_COLUMNS) + 1) + "|"]
+    for name, m in pols.items():
+        cells = []
+        for _, key, kind in _COLUMNS:
+            base = {r: pols[r][key] for r in refs if r != name}
+            cells.append(_cell(m[key], kind, base if name not in refs else {}))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if refs:
+        lines.append(f"\nratios in parentheses: × {' / × '.join(refs)}")
+    return "\n".join(lines)
+
+
+def write_plots(results: Sequence[SimResult], out_dir: str | Path) -> list[Path] | str:
+    """JCT CDF, across-turn hit rate and device memory over time, as PNGs in ``out_dir``.
+
+    Returns the files written, or a message saying why none were (matplotlib is optional).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plots written (pip install matplotlib)"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        jct = np.sort([p.jct_s for p in r.programs])
+        ax.plot(jct, np.arange(1, len(jct) + 1) / len(jct), label=r.config.name)
+    ax.set(xlabel="job completion time (s)", ylabel="fraction of programs", title="JCT CDF", xscale="log")
+    ax.legend()
+    paths.append(out / "jct_cdf.png")
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r.config.name for r in results]
+    ax.bar(names, [metrics(r)["across_turn_hit_rate"] for r in results])
+    ax.set(ylabel="across-turn hit rate", ylim=(0, 1), title="KV found across turn boundaries")
+    ax.tick_params(axis="x", rotation=30)
+    paths.append(out / "across_turn_hits.png")
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        by_t: dict[float, int] = {}
+        for t, _, used, _, _ in r.memory:
+            by_t[t] = by_t.get(t, 0) + used
+        ts = sorted(by_t)
+        ax.plot(ts, [by_t[t] for t in ts], label=r.config.name, linewidth=0.8)
+    ax.set(xlabel="virtual time (s)", ylabel="device KV in use, all nodes (tokens)", title="Device memory")
+    ax.legend()
+    paths.append(out / "device_memory.png")
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def dump_json(report: dict[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,313 @@
+"""Discrete-event replay: programs from a trace against real engine schedulers on virtual time.
+
+One event heap drives everything: program arrivals, node step starts and ends (``_nodes.py``), tool pauses,
+policy ``Tick``s (every ``tick_s`` while a tool runs), and ThunderAgent's controller.  Events are fed to the
+hint policy the way the live runtime (``workflows/_runtime.py``) feeds them, so live and replay agree:
+
+* a turn: route (``Router``), submit the whole context, then ``TurnStarted`` (so its ``Priority`` finds the
+  session on its node);  when it finishes: ``TurnEnded``, then ``ToolStarted`` if the turn calls a tool;
+* ``ToolEnded`` is reported when the next turn (or the program's end) starts: the pause a pin must cover is
+  the whole time the context sits idle;
+* Continuum's T comes from the queue wait of turns that recomputed tokens; ``PrefillReload`` is learned
+  from the nodes' answers (``_PrefillEstimator``), with the cost model as its prior;
+* hints go to the node holding the session (all nodes when unknown); ``Release`` goes to every node.
+
+Determinism: the heap breaks time ties by insertion order and nothing reads the wall clock, so a trace,
+a configuration and a seed give the same result every time.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_adapter._executor import VirtualClock
+from engine_adapter._scheduler import Request
+from hints import EvictionOrder, HintModel, Pin, Release
+from orchestrator import (
+    HintPolicy,
+    ProgramEnded,
+    Tick,
+    ToolEnded,
+    ToolStarted,
+    TurnEnded,
+    TurnStarted,
+    get_policy,
+)
+from orchestrator._router import Router, RouteRequest
+from replay._nodes import NodeSpec, SimNode, build_nodes
+from replay._policies import ReplayConfig
+from replay._prompts import PromptBuilder
+from replay._runs import ProgramRun, SessionRun, TurnRecord
+
+__all__ = ["SimResult", "Simulation"]
+
+
+class _PrefillEstimator:
+    """Seconds per re-prefilled token, learned from finished turns (the live runtime's PrefillEstimator,
+    duplicated so replay does not import Temporal; see the report's recommendation to share it)."""
+
+    def __init__(self, prior: Callable[[int], float], window: int = 64, min_samples: int = 4) -> None:
+        self.prior, self.min_samples = prior, min_samples
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, num_prefilled: int, prefill_s: float) -> None:
+        if num_prefilled >= 32 and prefill_s >= 0.0:
+            self._samples.append((num_prefilled, prefill_s))
+
+    def reload_s(self, context_tokens: int) -> float:
+        if len(self._samples) < self.min_samples:
+            return float(self.prior(context_tokens))
+        return sum(t for _, t in self._samples) / sum(n for n, _ in self._samples) * context_tokens
+
+
+@dataclass
+class SimResult:
+    """Everything a report needs from one replay of one configuration."""
+
+    config: ReplayConfig
+    turns: list[TurnRecord]
+    programs: list[ProgramRun]
+    memory: list[tuple[float, str, int, int, int]]  # (t, node, device used, pinned, host used) tokens
+    nodes: list[SimNode]
+    wall_s: float
+    makespan_s: float
+    num_events: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Simulation:
+    """One configuration over one list of programs; ``run()`` once."""
+
+    def __init__(self, programs: Sequence[ProgramRun | Any], config: ReplayConfig, spec: NodeSpec, *,
+                 num_nodes: int = 2, seed: int = 0, tick_s: float = 0.05, watch_interval_s: float = 0.5,
+                 sample_interval_s: float = 1.0, progress: Callable[[int], None] | None = None) -> None:
+        self.config, self.spec, self.tick_s = config, spec, tick_s
+        self.clock = VirtualClock()
+        self.nodes = build_nodes(num_nodes, spec, config, self.clock)
+        self.by_address = {n.address: n for n in self.nodes}
+        cm = spec.cost_model
+        self.prefill = _PrefillEstimator(cm.prefill_reload_s)
+        self.policy: HintPolicy = get_policy(config.hint_policy, prefill_reload=self.prefill.reload_s)
+        self.router = Router(cm.prefill_time, policy=config.routing,
+                             host_reload_s_per_token=cm.copy_per_block_s / cm.block_size)
+        self.watch_interval_s, self.sample_interval_s = watch_interval_s, sample_interval_s
+        self.prompts = PromptBuilder(spec.vocab_size, seed)
+        self.runs = [p if isinstance(p, ProgramRun) else ProgramRun.of(p) for p in programs]
+        self.turns: list[TurnRecord] = []
+        self.live: dict[str, SessionRun] = {}  # session key -> state, while its program runs
+        self.memory: list[tuple[float, str, int, int, int]] = []
+        self.progress = progress
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._in_tool = 0
+        self._tick_pending = False
+        self._routed_s = -1.0
+        self._next_sample_s = 0.0
+        self._num_done = 0
+        self.controller: Any = None
+        if config.thunderagent_controller:
+            from replay._thunder import ThunderController
+
+            self.controller = ThunderController(self)
+
+    # ---- event queue ---------------------------------------------------------------------------------
+    def at(self, t_s: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t_s, next(self._seq), action))
+
+    @property
+    def now(self) -> float:
+        return self.clock.now()
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        for run in self.runs:
+            self.at(run.program.arrival_s, functools.partial(self._arrive, run))
+        if self.controller is not None:
+            self.at(self.controller.period_s, self.controller.control)
+        num_events = 0
+        while self._heap and self._num_done < len(self.runs):
+            t, _, action = heapq.heappop(self._heap)
+            self.clock.advance_to(t)
+            if t >= self._next_sample_s:
+                self._sample()
+            action()
+            num_events += 1
+        if self._num_done < len(self.runs):
+            stuck = [r.program.program_id for r in self.runs if r.end_s is None][:5]
+            raise RuntimeError(f"{self.config.name}: replay stalled at {self.now:.3f} s with programs "
+                               f"unfinished, e.g. {stuck}")
+        for node in self.nodes:
+            node.account(self.now)
+        self._sample()
+        return SimResult(self.config, self.turns, self.runs, self.memory, self.nodes,
+                         time.perf_counter() - wall0, self.now, num_events)
+
+    def _sample(self) -> None:
+        for n in self.nodes:
+            kv, bs = n.engine.kv, n.block_size
+            self.memory.append((self.now, n.address, (kv.device.num_blocks - kv.device.num_free_blocks) * bs,
+                                kv.num_pinned_blocks * bs, (kv.host.num_blocks - kv.host.num_free_blocks) * bs))
+        self._next_sample_s = self.now + self.sample_interval_s
+
+    # ---- policy and hints ----------------------------------------------------------------------------
+    def feed(self, event: Any) -> None:
+        hints = self.policy.on_event(event)
+        if hints:
+            self.publish(hints)
+
+    def publish(self, hints: Sequence[HintModel]) -> None:
+        """Route hints like ``HintRuntime.publish``: by session's node, Release everywhere."""
+        per_node: dict[str, list[HintModel]] = defaultdict(list)
+        every = [n.address for n in self.nodes]
+        for h in hints:
+            if isinstance(h, Release):
+                for a in every:
+                    per_node[a].append(h)
+            elif isinstance(h, EvictionOrder):
+                split: dict[str, list[Any]] = defaultdict(list)
+                for e in h.entries:
+                    for a in self._nodes_for(e.session_id, every):
+                        split[a].append(e)
+                for a, entries in split.items():
+                    per_node[a].append(EvictionOrder(entries=entries))
+            else:
+                for a in self._nodes_for(getattr(h, "session_id", ""), every):
+                    per_node[a].append(h)
+        for a, batch in per_node.items():
+            node = self.by_address[a]
+            node.engine.apply_hints(batch)
+            node.account(self.now)
+            node.kick(self.now, self.at, self._step_end)
+
+    def _nodes_for(self, session_id: str, every: list[str]) -> list[str]:
+        s = self.live.get(session_id)
+        return [s.node] if s is not None and s.node else every
+
+    def _schedule_tick(self) -> None:
+        if not self._tick_pending and self._in_tool and self.config.hint_policy != "vllm-default":
+            self._tick_pending = True
+            self.at(self.now + self.tick_s, self._tick)
+
+    def _tick(self) -> None:
+        self._tick_pending = False
+        self.feed(Tick(self.now))
+        for n in self.nodes:
+            n.engine.kv.tick()
+            n.account(self.now)
+            n.kick(self.now, self.at, self._step_end)
+        self._schedule_tick()
+
+    # ---- programs ------------------------------------------------------------------------------------
+    def _arrive(self, run: ProgramRun) -> None:
+        run.start(self.now)
+        self.live.update((s.key, s) for s in run.sessions.values())
+        note = getattr(self.policy, "note_program_start", None)
+        if note is not None:
+            note(run.program.program_id, self.now)
+        for sid in run.program.roots:
+            self.start_turn(run.sessions[sid])
+
+    def start_turn(self, s: SessionRun, node: SimNode | None = None) -> None:
+        """The session's next turn is ready now: close its pause, then queue (ThunderAgent) or submit."""
+        if node is None:  # a restore from ThunderAgent's queue keeps the time the turn became ready
+            self._close_pause(s)
+            s.ready_s = self.now
+            if self.controller is not None and self.controller.hold(s):
+                return
+        turn = s.session.turns[s.turn_index]
+        prompt = s.next_prompt(self.prompts.new_input(turn, f"{s.key}/{s.turn_index}"))
+        address = node.address if node is not None else self._route(s, len(prompt), turn)
+        s.node = address
+        target = self.by_address[address]
+        s.request = target.engine.submit(prompt, max(1, turn.output_tokens), session_id=s.key,
+                                         program_id=s.run.program.program_id)
+        s.prompt = prompt
+        target.kick(self.now, self.at, self._step_end)
+        self.feed(TurnStarted(s.run.program.program_id, s.key, self.now, len(prompt)))
+
+    def _route(self, s: SessionRun, num_tokens: int, turn: Any) -> str:
+        if len(self.nodes) == 1:
+            return self.nodes[0].address
+        if self.now - self._routed_s >= self.watch_interval_s:  # the live watch stream's period
+            for n in self.nodes:
+                self.router.update(n.address, n.engine.cache_state(include_sessions=True), self.now)
+            self._routed_s = self.now
+        req = RouteRequest(s.key, s.run.program.program_id, num_tokens, turn.shared_prefix,
+                           turn.shared_prefix_tokens)
+        decision = self.router.choose(req, self.now)
+        if decision.moved_from is not None:
+            self.by_address[decision.moved_from].engine.apply_hints([Pin(session_id=s.key, ttl_s=0.0)])
+        self.router.started(decision.address, req)
+        return decision.address
+
+    def _step_end(self, node: SimNode) -> None:
+        done, node.finished = node.finished, []
+        for req in done:
+            self._turn_finished(node, req)
+        node.kick(self.now, self.at, self._step_end)
+
+    def _turn_finished(self, node: SimNode, req: Request) -> None:
+        s = self.live[req.session.session_id]
+        turn = s.session.turns[s.turn_index]
+        rec = TurnRecord.of(s, req, self.config.name)
+        self.turns.append(rec)
+        if len(self.nodes) > 1:
+            self.router.finished(node.address, s.key)
+        self.prefill.observe(rec.computed_tokens, max(0.0, (req.ttft_s or 0.0) - req.queue_wait_s))
+        ttl = getattr(self.policy, "ttl", None)
+        if rec.recomputed_tokens > 0 and ttl is not None:
+            ttl.observe_evicted_queue_delay(max(0.0, rec.queue_wait_s))
+        s.finish_turn(req.output[: turn.output_tokens])
+        pid = s.run.program.program_id
+        self.feed(TurnEnded(pid, s.key, self.now, len(s.context)))
+        if turn.tool is not None:
+            s.tool, s.tool_start_s = turn.tool, self.now
+            self._in_tool += 1
+            self.feed(ToolStarted(pid, s.key, turn.tool, self.now, len(s.context)))
+            self._schedule_tick()
+            self.at(self.now + turn.tool_duration_s, lambda: self._after_tool(s))
+            if self.controller is not None:
+                self.controller.tool_started(s)
+        else:
+            self._after_tool(s)
+
+    def _after_tool(self, s: SessionRun) -> None:
+        if s.tool is not None:
+            s.tool_done = True
+        s.turn_index += 1
+        if s.turn_index < s.session.num_turns:
+            self.start_turn(s)
+        else:
+            self._session_finished(s)
+
+    def _close_pause(self, s: SessionRun) -> None:
+        if s.tool is None:
+            return
+        tool, started = s.tool, s.tool_start_s
+        s.tool, s.tool_done = None, False
+        self._in_tool -= 1
+        self.feed(ToolEnded(s.run.program.program_id, s.key, tool, self.now, max(0.0, self.now - started)))
+
+    def _session_finished(self, s: SessionRun) -> None:
+        run = s.run
+        for succ in run.finish_session(s.session.session_id, self.now):
+            self.start_turn(run.sessions[succ])
+        if run.all_done:
+            for other in run.sessions.values():
+                self._close_pause(other)
+            self.feed(ProgramEnded(run.program.program_id, self.now, run.num_turns_done))
+            run.close()
+            for other in run.sessions.values():
+                self.live.pop(other.key, None)
+            self._num_done += 1
+            if self.controller is not None:
+                self.controller.program_ended(run)
+            if self.progress is not None:
+                self.progress(1)

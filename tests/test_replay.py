@@ -1,0 +1,144 @@
+"""The replay harness: deterministic, complete, join-correct, leak-free, and its report and CLI shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from replay import (
+    REPLAY_CONFIGS,
+    REQUIRED_KEYS,
+    Program,
+    ReplaySetup,
+    Session,
+    Turn,
+    generate,
+    get_replay_config,
+    report_json,
+    run_replay,
+)
+from replay._cli import replay_command
+
+ALL = list(REPLAY_CONFIGS.values())
+
+
+def _tiny(n: int = 6) -> list[Program]:
+    return generate("swe-agent", seed=3, num_programs=n, rate=2.0, scale=0.05)
+
+
+def _setup(**kw: object) -> ReplaySetup:
+    base: dict[str, object] = {"block_size": 16, "num_nodes": 2}
+    base.update(kw)
+    return ReplaySetup(**base)  # type: ignore[arg-type]
+
+
+def _strip_wall(report: dict) -> dict:
+    for m in report["policies"].values():
+        m.pop("wall_s")
+    return report
+
+
+def test_same_trace_replays_identically() -> None:
+    configs = [get_replay_config("vllm-default"), get_replay_config("hintflow")]
+    a = report_json(*run_replay(_setup(), configs, programs=_tiny()))
+    b = report_json(*run_replay(_setup(), configs, programs=_tiny()))
+    assert json.dumps(_strip_wall(a), sort_keys=True) == json.dumps(_strip_wall(b), sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def all_results():  # type: ignore[no-untyped-def]
+    programs = _tiny(8)
+    return programs, run_replay(_setup(), ALL, programs=programs)
+
+
+def test_every_policy_completes_every_program_and_turn(all_results) -> None:  # type: ignore[no-untyped-def]
+    programs, (_, results) = all_results
+    expected = {p.program_id: p.num_turns for p in programs}
+    for r in results:
+        got: dict[str, int] = {}
+        for t in r.turns:
+            got[t.program_id] = got.get(t.program_id, 0) + 1
+        assert got == expected, r.config.name
+        assert all(run.end_s is not None and run.end_s >= run.arrival_s for run in r.programs)
+
+
+def test_oracle_never_recomputes_and_vllm_default_does(all_results) -> None:  # type: ignore[no-untyped-def]
+    _, (_, results) = all_results
+    by = {r.config.name: report_json(_setup(), [r])["policies"][r.config.name] for r in results}
+    assert by["oracle"]["recomputed_tokens"] == 0
+    assert by["oracle"]["evicted_blocks"] == 0
+    assert by["vllm-default"]["recomputed_tokens"] > 0
+
+
+def test_nodes_hold_invariants_and_leak_nothing(all_results) -> None:  # type: ignore[no-untyped-def]
+    _, (_, results) = all_results
+    for r in results:
+        for node in r.nodes:
+            node.engine.check_invariants()
+            kv = node.engine.kv
+            assert kv.device.num_free_blocks == kv.device.num_blocks, (r.config.name, node.address)
+            assert kv.host.num_free_blocks == kv.host.num_blocks
+            assert kv.num_pinned_blocks == 0
+            assert not node.engine.scheduler.has_work()
+            assert all(not s.block_ids and not s.host_block_ids for s in kv.sessions.values())
+            if r.config.hint_policy != "vllm-default":  # stock vLLM hears no Release: metadata stays
+                assert not kv.sessions, (r.config.name, list(kv.sessions)[:3])
+
+
+def test_report_has_required_keys(all_results) -> None:  # type: ignore[no-untyped-def]
+    _, (setup, results) = all_results
+    report = report_json(setup, results)
+    assert set(report["policies"]) == set(REPLAY_CONFIGS)
+    for m in report["policies"].values():
+        assert set(REQUIRED_KEYS) <= set(m)
+        assert 0.0 <= m["across_turn_hit_rate"] <= 1.0
+    assert report["config"]["kv_capacity_tokens"] > 0
+
+
+def _pipeline(join: str) -> Program:
+    planner = Session("planner", "planner", [Turn(300, 40, shared_prefix="p", shared_prefix_tokens=100)])
+    workers = [
+        Session(f"w{i}", "worker", [Turn(200 + 50 * i, 30, "python", 0.5 + 4.0 * i), Turn(100, 20 + 30 * i)],
+                after=["planner"])
+        for i in range(3)
+    ]
+    reviewer = Session("reviewer", "reviewer", [Turn(250, 30)], after=["w0", "w1", "w2"], join=join)  # type: ignore[arg-type]
+    return Program(f"pipe-{join}", 0.0, "multi-agent", [planner, *workers, reviewer])
+
+
+@pytest.mark.parametrize("join", ["and", "or"])
+def test_reviewer_waits_for_its_join(join: str) -> None:
+    program = _pipeline(join)
+    _, results = run_replay(_setup(), [get_replay_config("hintflow"), get_replay_config("thunderagent")],
+                            programs=[program])
+    for r in results:
+        run = r.programs[0]
+        worker_ends = sorted(run.sessions[w].finished_s or 0.0 for w in ("w0", "w1", "w2"))
+        reviewer_start = min(t.ready_s for t in r.turns if t.session_key.endswith("/reviewer"))
+        gate = worker_ends[-1] if join == "and" else worker_ends[0]
+        assert reviewer_start >= gate
+        assert reviewer_start == pytest.approx(gate)
+        if join == "or":
+            assert reviewer_start < worker_ends[-1]
+
+
+def test_cli_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(replay_command, [
+        "--workload", "swe-agent", "--programs", "4", "--scale", "0.05", "--rate", "2",
+        "--policy", "vllm-default,hintflow,oracle", "--block-size", "16", "--json", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "vllm-default" in res.output and "hintflow" in res.output
+    report = json.loads(out.read_text())
+    assert set(report["policies"]) == {"vllm-default", "hintflow", "oracle"}
+    assert set(REQUIRED_KEYS) <= set(report["policies"]["hintflow"])
+
+
+def test_cli_bad_input() -> None:
+    res = CliRunner().invoke(replay_command, ["--policy", "nope", "--no-progress"])
+    assert res.exit_code != 0 and "vllm-default" in res.output
+    res = CliRunner().invoke(replay_command, ["--executor", "torch", "--no-progress"])
+    assert res.exit_code != 0 and "not implemented yet" in res.output
