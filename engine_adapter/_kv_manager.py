@@ -236,33 +236,41 @@ class KVCacheManager:
                 cached = len(device) * bs
         return PrefixPlan(device, host, cached, host_tokens, history)
 
-    def attach(self, s: Session, prompt: list[int], plan: PrefixPlan) -> None:
-        """Make ``plan`` the session's context: reuse hits, reload host hits, let go of the rest."""
+    def attach(self, s: Session, prompt: list[int], plan: PrefixPlan) -> bool:
+        """Make ``plan`` the session's context: reuse hits, reload host hits, let go of the rest.
+
+        False, with nothing changed, when the device cannot take the host part back right now: the host
+        copy is kept for a later try (dropping it would turn a reload into a recompute).
+        """
+        for bid, own in plan.device:
+            if not own:
+                self.device.ref(bid)  # before allocating: an allocation must not evict our prefix hits
+        dev: list[int] = []
+        if plan.host:
+            got = self.allocate_device(len(plan.host), exclude=s)
+            if got is None:
+                for bid, own in plan.device:
+                    if not own:
+                        self.device.unref(bid)
+                return False
+            dev = got
         self._unpin(s)
         s.pin_deadline_s = None
         s.state = SessionState.RUNNING
         self._refresh(s)
         keep = {bid for bid, own in plan.device if own}
-        for bid, own in plan.device:
-            if not own:
-                self.device.ref(bid)
         for bid in s.block_ids:
             if bid not in keep:
                 self.device.unref(bid)
         new_blocks = [bid for bid, _ in plan.device]
         cached = plan.num_cached_tokens
-        reload = plan.host
         reloaded_tokens = 0
-        if reload:
-            dev = self.allocate_device(len(reload), exclude=s)
-            if dev is None:
-                reload = []
-            else:
-                for hb, db in zip(reload, dev, strict=True):
-                    self.pending_copies.append(CopyOp("h2d", hb, db))
-                new_blocks += dev
-                reloaded_tokens = plan.num_host_tokens
-                self.stats.reloaded_blocks += len(dev)
+        if dev:
+            for hb, db in zip(plan.host, dev, strict=True):
+                self.pending_copies.append(CopyOp("h2d", hb, db))
+            new_blocks += dev
+            reloaded_tokens = plan.num_host_tokens
+            self.stats.reloaded_blocks += len(dev)
         for hb in s.host_block_ids:
             self.host.unref(hb)  # reloaded (copy already queued) or no longer part of the context
         s.host_block_ids = []
@@ -274,6 +282,7 @@ class KVCacheManager:
         self._rehash(s)
         self._refresh(s)
         plan.num_host_tokens = reloaded_tokens
+        return True
 
     def _rehash(self, s: Session) -> None:
         """Extend ``block_hashes`` over full blocks and publish them (first writer wins)."""
@@ -354,7 +363,9 @@ class KVCacheManager:
             raise RuntimeError(f"session {s.session_id} has no evictable block")
         bid = s.block_ids[-1]
         moved = False
-        if self.device.blocks[bid].ref_cnt == 1 and self.host.num_blocks:
+        # A block shared with another session is copied out too: it leaves this context's chain, and the
+        # host blocks behind it are reachable only through a host copy of it.
+        if self.host.num_blocks:
             hb = self._allocate_host(exclude=s)
             if hb is not None:
                 self.pending_copies.append(CopyOp("d2h", bid, hb))

@@ -250,9 +250,14 @@ class Scheduler:
             chunk = step.limit(uncached, cold_pass)
             if chunk <= 0:
                 return
-            self.kv.attach(s, tokens, plan)
-            if not self.kv.ensure_slots(s, len(s.token_ids) + chunk):
-                self.kv.set_waiting(s)  # memory is full: it keeps its place in the queue
+            if not self.kv.attach(s, tokens, plan) or not self.kv.ensure_slots(s, len(s.token_ids) + chunk):
+                if s.state is SessionState.RUNNING:
+                    self.kv.set_waiting(s)
+                # Memory is full: the request keeps its place in the queue.  If nothing runs and nothing
+                # was scheduled, only pins can be holding the pool: the deadlock rule lets the latest
+                # program's pins go and the request tries again (work-conserving: never idle with work).
+                if not self.running and not step.seqs and self.kv.force_unpin_latest():
+                    continue
                 return
             self._remove_waiting(req)
             if not req.admitted:

@@ -136,3 +136,46 @@ def test_bad_requests_are_rejected_with_the_reason() -> None:
     core.run_until_idle()
     assert len(ok.output) == 2
     core.check_invariants()
+
+
+def test_pins_of_parked_sessions_never_leave_the_engine_idle_with_work_waiting() -> None:
+    """Two pinned contexts fill the pool; a new prompt cannot fit and nothing runs.  The deadlock rule
+    lets the latest program's pins go at once (work-conserving) instead of waiting out the leases."""
+    ex = make_torch_executor(num_device_blocks=12)
+    core = EngineCore(ex, clock=VirtualClock(), pin_budget_fraction=0.99)
+    rng = random.Random(7)
+    for sid in ("older", "newer"):
+        core.submit(rand_tokens(rng, 5 * 16), 1, session_id=sid, program_id=sid)
+        core.run_until_idle()
+        assert core.apply_hints([Pin(session_id=sid, ttl_s=3600.0)])[0].code == "OK"
+    r = core.submit(rand_tokens(rng, 4 * 16), 1, session_id="third", program_id="third")
+    steps = core.run_until_idle(max_steps=50)
+    assert r.output and steps < 50
+    assert core.kv.stats.forced_unpins == 1
+    assert core.kv.sessions["older"].pinned_blocks == 5  # the older program keeps its pin
+    core.check_invariants()
+
+
+def test_evicting_a_shared_block_keeps_the_host_copy_behind_it() -> None:
+    """Session b shares a's first block.  When b's context is offloaded block by block, the shared block
+    is copied out too, so b's whole context comes back from the host instead of being recomputed."""
+    core = make_core(blocks=16, host=16)
+    rng = random.Random(8)
+    shared = rand_tokens(rng, 16)
+    pa = shared + rand_tokens(rng, 16)
+    core.submit(pa, 1, session_id="a", program_id="a")
+    core.run_until_idle()
+    pb = shared + rand_tokens(rng, 3 * 16)
+    rb = core.submit(pb, 1, session_id="b", program_id="b")
+    core.run_until_idle()
+    assert rb.num_cached_tokens == 16  # a's first block
+    b = core.kv.sessions["b"]
+    n = len(b.block_ids)
+    while b.block_ids:  # what a flood does to b, block by block from the tail; the last one is shared
+        core.kv._evict_one(b)
+    assert len(b.host_block_ids) == n
+    rb2 = core.submit(pb + rb.output, 1, session_id="b", program_id="b")
+    core.run_until_idle()
+    assert rb2.num_recomputed_tokens == 0
+    assert rb2.num_cached_tokens + rb2.num_host_hit_tokens >= 4 * 16
+    core.check_invariants()
