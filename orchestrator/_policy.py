@@ -480,9 +480,6 @@ class HintFlowPolicy(ContinuumPolicy):
     """
 
     name = "hintflow"
-    # Five ticks of the live runtime (50 ms): a lease is renewed well before it lapses, even when the
-    # event loop is late by a few ticks on a busy machine.
-    default_renew_ahead_s = 0.25
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)

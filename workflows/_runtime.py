@@ -135,7 +135,9 @@ class HintRuntime:
             raise ValueError("HintRuntime needs at least one engine address (host:port)")
         self.engines = list(dict.fromkeys(engines))
         self.prefill = PrefillEstimator(prefill_reload_s)
-        kw: dict[str, Any] = {"prefill_reload": self.prefill.reload_s}
+        # Live ticks arrive late by a few periods on a busy machine: renew leases 5 ticks before they
+        # lapse (and never lease for less), so a renewed pin has no gap.  Replay ticks exactly: 0 there.
+        kw: dict[str, Any] = {"prefill_reload": self.prefill.reload_s, "renew_ahead_s": 5 * tick_s}
         if pause_model is not None:
             kw["pause_model"] = pause_model
         self.policy: HintPolicy = get_policy(policy, **kw) if isinstance(policy, str) else policy
