@@ -254,8 +254,10 @@ class KVCacheManager:
                         self.device.unref(bid)
                 return False
             dev = got
+        # Pin counts follow block ids: let go here, re-grant on the new block list below while the lease
+        # lasts.  The pin is consumed only when the turn is admitted (consume_pin): a turn that must wait
+        # for memory keeps its context pinned, or the very load it waits behind would evict it.
         self._unpin(s)
-        s.pin_deadline_s = None
         s.state = SessionState.RUNNING
         self._refresh(s)
         keep = {bid for bid, own in plan.device if own}
@@ -280,9 +282,17 @@ class KVCacheManager:
         valid = min(len(s.block_hashes), total // self.block_size, plan.num_history_tokens // self.block_size)
         s.block_hashes = s.block_hashes[:valid]
         self._rehash(s)
+        if s.pin_deadline_s is not None:  # a lease that ends while the turn waits holds until admission
+            self._grant_pin(s)
         self._refresh(s)
         plan.num_host_tokens = reloaded_tokens
         return True
+
+    def consume_pin(self, s: Session) -> None:
+        """The session's turn was admitted: its pin has done its job."""
+        self._unpin(s)
+        s.pin_deadline_s = None
+        self._refresh(s)
 
     def _rehash(self, s: Session) -> None:
         """Extend ``block_hashes`` over full blocks and publish them (first writer wins)."""

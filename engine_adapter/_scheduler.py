@@ -260,6 +260,7 @@ class Scheduler:
                     continue
                 return
             self._remove_waiting(req)
+            self.kv.consume_pin(s)
             if not req.admitted:
                 req.admitted = True
                 req.num_cached_tokens = plan.num_cached_tokens

@@ -205,6 +205,9 @@ def test_pin_on_running_session_applies_when_it_parks_and_admission_consumes_it(
     assert kv.num_pinned_blocks == 3
     nxt = prompt + [7, 7]
     kv.attach(s, nxt, kv.plan_prefix(s, nxt))
+    # Attached but not yet admitted (it may still wait for memory): the context stays pinned.
+    assert kv.num_pinned_blocks == 3 and s.pin_deadline_s is not None
+    kv.consume_pin(s)  # the scheduler admitted the turn
     assert kv.num_pinned_blocks == 0 and s.pin_deadline_s is None
     kv.check_invariants()
 
