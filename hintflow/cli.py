@@ -144,10 +144,34 @@ def _cache_replay_table(result: dict[str, Any], seconds: float) -> str:
     return "\n".join(lines)
 
 
-@engine.command("serve")
+@engine.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option(
     "--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML config file."
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["embedded", "vllm"]),
+    default="embedded",
+    show_default=True,
+    help="vllm: a real vLLM OpenAI server with hintflow's scheduler; flags after -- go to vLLM.",
+)
+@click.option(
+    "--model",
+    "vllm_model",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="vllm: model folder (see `hintflow make-tiny-model`).",
+)
+@click.option("--hint-port", type=click.IntRange(0, 65535), default=None, help="vllm: PushHints gRPC port.")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    default=".hintflow-vllm",
+    show_default=True,
+    help="vllm: caches, sockets and TMPDIR of the server.",
+)
+@click.option("--vllm-python", default=None, help="vllm: the Python that has vLLM.  [default: .venv-vllm]")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--executor", type=click.Choice(["torch", "modeled"]), default=None, help="[default: torch]")
 @click.option("--host", default=None, help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="gRPC port, 0: any free one.")
@@ -161,13 +185,48 @@ def _cache_replay_table(result: dict[str, Any], seconds: float) -> str:
 @click.option("--pin-budget-fraction", type=click.FloatRange(0.0, 1.0, max_open=True), default=None)
 @click.option("--eviction-policy", default=None, help="Eviction policy name.  [default: hinted]")
 @click.option("--cost-model", default=None, help="Modeled executor: bundled profile name or JSON path.")
-def serve(config_file: str | None, **overrides: Any) -> None:
+def serve(
+    config_file: str | None,
+    backend: str,
+    vllm_model: str | None,
+    hint_port: int | None,
+    state_dir: str,
+    vllm_python: str | None,
+    vllm_args: tuple[str, ...],
+    **overrides: Any,
+) -> None:
     """Serve an engine node over gRPC until SIGINT/SIGTERM.
 
     Settings come from the options, then HINTFLOW_* environment variables (nested with __, e.g.
-    HINTFLOW_SCHEDULER__MAX_NUM_SEQS), then --config, then defaults.
+    HINTFLOW_SCHEDULER__MAX_NUM_SEQS), then --config, then defaults.  With --backend vllm: vLLM's
+    OpenAI server (HTTP on --port) with hintflow's scheduler and hint service (gRPC on --hint-port).
     """
     import asyncio
+
+    if backend == "vllm":
+        if vllm_model is None:
+            raise click.UsageError(
+                "--backend vllm needs --model DIR (build one with `hintflow make-tiny-model DIR`)"
+            )
+        from engine_adapter.vllm_backend._serve import serve_vllm
+
+        raise SystemExit(
+            serve_vllm(
+                vllm_model,
+                host=overrides.get("host") or "127.0.0.1",
+                port=overrides.get("port") or 8000,
+                hint_port=hint_port,
+                pin_budget=overrides.get("pin_budget_fraction") or 0.5,
+                node_id=overrides.get("node_id") or "vllm-0",
+                state_dir=state_dir,
+                python=vllm_python,
+                extra_args=list(vllm_args),
+            )
+        )
+    if vllm_args:
+        raise click.UsageError(
+            f"unexpected arguments {' '.join(vllm_args)!r} (only --backend vllm passes flags on)"
+        )
 
     from pydantic import ValidationError
 
@@ -579,6 +638,18 @@ def _run_table(r: dict[str, Any]) -> str:
         f"{r['pins_placed']} (held to the next turn {r['pins_held']}, expired {r['pins_expired']}), wall {r['wall_s']:.1f} s"
     )
     return "\n".join(lines)
+
+
+@engine.command(
+    "vllm-bench",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def vllm_bench(args: tuple[str, ...]) -> None:
+    """Agent programs against real vLLM nodes: vanilla vs hintflow (infer / orchestrator); --help for flags."""
+    from engine_adapter.vllm_backend._agent_bench import main as bench_main
+
+    bench_main(list(args))
 
 
 @hintflow.command("make-tiny-model")

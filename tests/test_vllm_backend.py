@@ -166,6 +166,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         "TMPDIR": str(root / "tmp"),
         "HINTFLOW_HINT_PORT": str(hint_port),
         "HINTFLOW_PIN_BUDGET": "0.6",
+        "HINTFLOW_INFER_HINTS": "0",  # explicit hints only: unhinted sessions are vanilla controls here
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [

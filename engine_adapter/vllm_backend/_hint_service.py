@@ -65,11 +65,21 @@ def apply_hints(sched: HintflowScheduler, hints: Sequence[HintModel | HintDecode
     with sched.hint_lock:
         sched.book.expire()  # an idle engine does not step: leases must still run out on time
         for i, h in enumerate(hints):
+            if sched.infer is not None:  # the orchestrator speaks for these sessions: no inferred pins
+                for sid in _sessions_named(h):
+                    sched.infer.note_explicit(sid)
             try:
                 results.append(_apply(sched, i, h))
             except _Error as e:
                 results.append(HintResult(index=i, code=e.code, message=str(e)[:4000]))
     return results
+
+
+def _sessions_named(h: HintModel | HintDecodeError) -> list[str]:
+    if isinstance(h, EvictionOrder):
+        return [e.session_id for e in h.entries]
+    sid = getattr(h, "session_id", "")
+    return [sid] if isinstance(sid, str) and sid else []
 
 
 def _session(sched: HintflowScheduler, session_id: str) -> Any:

@@ -17,6 +17,12 @@ decision stays vLLM's. What it adds, and where:
   if the step scheduled nothing while work waits and pins hold blocks, unpin the latest program
   (deadlock rule; the next step can then admit).
 
+- inferred hints (``_infer.HintInference``, ``HINTFLOW_INFER_HINTS``, default on): requests that carry
+  only ``vllm_xargs.program_id`` (``tool``, ``is_last_turn``) get Continuum-style pins and releases from
+  measured pauses; a request without ``session_id`` uses its ``program_id`` as the session.
+- work conservation: before each step, pins of programs younger than the head of the queue are dropped
+  (youngest first) until that head fits, so a pin never keeps an older program's turn out of the pool.
+
 All of it runs under ``self.hint_lock``, which the hint service (another thread) takes too.
 """
 
@@ -25,11 +31,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.request_queue import SchedulingPolicy  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 
+from ._infer import HintInference, infer_enabled
 from ._sessions import SessionBook, VSession
 
 if TYPE_CHECKING:
@@ -37,14 +45,17 @@ if TYPE_CHECKING:
 
 __all__ = ["PRIORITY_SCALE", "HintflowScheduler"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
 
 PRIORITY_SCALE = 10**12
 """Milliseconds of program age fit below this (31 years), so ``class * scale + ms`` orders by class first."""
 
 
 class HintflowScheduler(Scheduler):  # type: ignore[misc]
-    """See the module docstring. Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET, HINTFLOW_NODE_ID."""
+    """See the module docstring. Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET, HINTFLOW_NODE_ID,
+    HINTFLOW_INFER_HINTS (1), HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference),
+    HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_SILENT_S (30),
+    HINTFLOW_PRIORITY_AGING_S (inf: strict program FCFS; else the most head start an older program gets)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -58,6 +69,21 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
         self.node_id = os.environ.get("HINTFLOW_NODE_ID", "vllm")
         self.model_name = str(self.vllm_config.model_config.served_model_name)
         self._epoch_s = self.book.clock()
+        self.infer: HintInference | None = None
+        if infer_enabled():
+            env = os.environ.get
+            reload = env("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
+            self.infer = HintInference(
+                self.book,
+                defer_s=float(env("HINTFLOW_INFER_DEFER_S", "60")),
+                reload_s_per_token=float(reload) if reload else None,
+                silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
+            )
+        self._step: tuple[float, int] | None = None
+        self._next_log_s = 0.0
+        # Program FCFS gives an older program's turn at most this head start over a newer arrival, so
+        # new programs' first turns cannot starve under overload (inf: strict program FCFS).
+        self.aging_s = float(os.environ.get("HINTFLOW_PRIORITY_AGING_S", "inf"))
         self.hint_server: HintServer | None = None
         port = os.environ.get("HINTFLOW_HINT_PORT")
         if port:
@@ -71,11 +97,14 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, request: Any) -> None:
         with self.hint_lock:
-            sid = getattr(request, "session_id", None)
+            extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
+            program = str(extra.get("program_id") or "")
+            sid = getattr(request, "session_id", None) or program
             if sid and request.request_id not in self.requests:
-                extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
-                s = self.book.session(str(sid), str(extra.get("program_id") or ""))
+                s = self.book.session(str(sid), program)
                 self.book.on_request_added(s, request.request_id)
+                if self.infer is not None:
+                    self.infer.on_request(s, extra)
                 self._req_session[request.request_id] = s
                 self._client_priority[request.request_id] = request.priority
                 request.priority = self.priority_for(s, request.priority)
@@ -87,6 +116,7 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
             return client_priority
         major = s.priority_class if s.priority_class is not None else client_priority
         start = s.program_start_s if s.program_start_s is not None else s.first_seen_s
+        start = max(start, self.book.clock() - self.aging_s)  # bounded head start: no starvation
         ms = max(0, int((start - self._epoch_s + 86400.0) * 1000))  # + a day: hinted ages reach back
         return major * PRIORITY_SCALE + min(ms, PRIORITY_SCALE - 1)
 
@@ -109,17 +139,74 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         with self.hint_lock:
             self.book.expire()
+            if self.infer is not None:
+                self.infer.sweep()
+            self._yield_pins_to_older()
             out = super().schedule(*args, **kwargs)
             for new in out.scheduled_new_reqs:
                 s = self._req_session.get(new.req_id)
                 if s is not None:
+                    kept = bool(s.held)
                     self.book.on_admitted(s, new.req_id)
+                    req = self.requests.get(new.req_id)
+                    if self.infer is not None and req is not None:
+                        self.infer.on_admitted(s, time.time() - req.arrival_time, kept)
+            self._step = (self.book.clock(), out.total_num_scheduled_tokens)
+            self._log_stats()
             starved = out.total_num_scheduled_tokens == 0 and (len(self.waiting) or len(self.running))
             if starved and self.book.num_pinned_blocks and self.book.force_unpin_latest():
                 log.info("hintflow: pins blocked all progress; unpinned the latest program")
             return out
 
+    def _yield_pins_to_older(self) -> None:
+        """Drop pins of programs younger than the queue's head (youngest first) until the head fits.
+
+        Why: a pin is a bet that its program comes back soon; it must not make an older program's turn
+        that is already here wait (work conservation; program FCFS decides who is older).
+        """
+        if not self.book.num_pinned_blocks or not self.waiting:
+            return
+        head = self.waiting.peek_request()
+        hs = self._req_session.get(head.request_id)
+        if hs is None:
+            return  # anonymous traffic does not outrank pins: that is what pins protect against
+        need = -(-head.num_tokens // self.block_size) + 1 - len(hs.held)
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        head_start = self._start(hs)
+        younger = [x for x in self.book.sessions.values() if x.held and x is not hs and self._start(x) > head_start]
+        for x in sorted(younger, key=self._start, reverse=True):
+            if need <= free:
+                break
+            free += self.book.drop_pin(x)
+
+    def _log_stats(self) -> None:
+        """Every 10 s: what the pins did (for benchmarks and operators; vLLM's log has the rest)."""
+        now = self.book.clock()
+        if now < self._next_log_s:
+            return
+        self._next_log_s = now + 10.0
+        st, inf = self.book.stats, self.infer
+        extra = ""
+        if inf is not None:
+            extra = (
+                f" inferred_pins={inf.inferred_pins} inferred_releases={inf.inferred_releases}"
+                f" T={inf.rule.queue_delay_s:.2f}s eta={inf.rule.eta:.2f} reload={inf.s_per_token * 1e6:.0f}us/tok"
+            )
+        log.info(
+            "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d%s",
+            self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
+            st.forced_unpins, st.yielded_pins, extra,
+        )  # fmt: skip
+
+    @staticmethod
+    def _start(s: VSession) -> float:
+        return s.program_start_s if s.program_start_s is not None else s.first_seen_s
+
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        if self._step is not None and self.infer is not None:
+            started, tokens = self._step
+            self.infer.observe_step(tokens, self.book.clock() - started)
+        self._step = None
         with self.hint_lock:
             return super().update_from_output(*args, **kwargs)
 
@@ -135,8 +222,12 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
                 self.book.on_request_finished(s, request.request_id, [])
             super()._free_request_blocks(request)
             return
+        if self.infer is not None:
+            self.infer.on_turn_end(s, request.num_tokens)
         blocks = self.kv_cache_manager.pop_blocks_for_free(request)
         self.book.on_request_finished(s, request.request_id, blocks)
+        if self.infer is not None:
+            self.infer.after_turn_end(s)
 
     def shutdown(self) -> None:
         if self.hint_server is not None:

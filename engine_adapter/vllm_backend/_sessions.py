@@ -91,6 +91,7 @@ class BookStats:
     pin_clamps: int = 0
     forced_unpins: int = 0
     released_sessions: int = 0
+    yielded_pins: int = 0
 
 
 class SessionBook:
@@ -220,6 +221,14 @@ class SessionBook:
                 del self._pin_count[b.block_id]
         held, s.held = s.held, []
         self.pool.free_blocks(reversed(held))
+
+    def drop_pin(self, s: VSession) -> int:
+        """Give up the session's pin now (its blocks become free, evictable); the number it held."""
+        n = sum(1 for b in s.held if self._pin_count.get(b.block_id) == 1)
+        s.pin_deadline_s = None
+        self._unpin(s)
+        self.stats.yielded_pins += 1
+        return n
 
     def force_unpin_latest(self) -> bool:
         """Deadlock rule: pins block all progress, so the latest-arriving program lets go first."""

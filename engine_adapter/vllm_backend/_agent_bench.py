@@ -1,0 +1,203 @@
+"""Agent workload against one real vLLM node: stock vLLM vs hintflow (inferred hints, orchestrator hints).
+
+Why: issue 5's Done-when is measured on vLLM itself. Each mode starts its own server on the same model
+and the same KV pool (``--num-gpu-blocks-override``, sized to ``--pool-fraction`` of the live programs'
+contexts), replays the same programs (full context resent each turn, streamed), and reports job
+completion time (arrival to last token of the last turn), time to first token, and the across-turn hit
+rate (cached tokens over the prompt tokens an earlier turn of the program had already sent).
+
+Modes: ``vanilla`` (no ``--scheduler-cls``, FCFS), ``hintflow-infer`` (our scheduler; the client adds only
+``program_id``, ``tool``, ``is_last_turn``), ``hintflow-orchestrator`` (our scheduler; the ``hintflow``
+policy fed with the client's events pushes hints over gRPC; the client adds only ``program_id``).
+
+    python -m engine_adapter.vllm_backend._agent_bench --out report.json   # see --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ._agent_client import HintPusher, ProgramResult, run_program
+from ._agent_workload import BLOCK, AgentProgram, builtin_programs, pool_blocks_for, swe_agent_programs
+from ._serve import REPO, build_vllm_command, start_vllm, stop_vllm, wait_healthy
+
+__all__ = ["MODES", "main", "run_mode", "summarize"]
+
+MODES = ("vanilla", "hintflow-infer", "hintflow-orchestrator")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _q(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, max(0, math.ceil(q * len(ys)) - 1))]
+
+
+def summarize(results: list[ProgramResult], wall_s: float) -> dict[str, Any]:
+    """The report's figures for one mode."""
+    ok = [r for r in results if not r.error]
+    jct = [r.jct_s for r in ok]
+    turns = [t for r in ok for t in r.turns]
+    ttft = [t.ttft_s for t in turns]
+    already = sum(t.already_sent_tokens for t in turns)
+    hits = sum(min(t.cached_tokens, t.already_sent_tokens) for t in turns)
+    return {
+        "programs": len(results),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "turns": len(turns),
+        "jct_mean_s": sum(jct) / len(jct) if jct else math.nan,
+        "jct_p90_s": _q(jct, 0.9),
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else math.nan,
+        "ttft_p50_s": _q(ttft, 0.5),
+        "ttft_p99_s": _q(ttft, 0.99),
+        "across_turn_hit_rate": hits / already if already else math.nan,
+        "prompt_tokens": sum(t.prompt_tokens for t in turns),
+        "cached_tokens": sum(t.cached_tokens for t in turns),
+        "wall_s": wall_s,
+    }
+
+
+def run_mode(
+    mode: str, programs: list[AgentProgram], *, model: Path, python: str, state: Path, num_blocks: int,
+    max_model_len: int, pin_budget: float, extra_args: list[str], aging_s: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Start this mode's server, replay the programs, stop it; the mode's summary."""
+    port, hint_port = _free_port(), _free_port()
+    hintflow = mode != "vanilla"
+    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--num-gpu-blocks-override", str(num_blocks), *extra_args]  # fmt: skip
+    argv, env = build_vllm_command(
+        model, port=port, hint_port=hint_port if hintflow else None, pin_budget=pin_budget,
+        state_dir=state / mode, python=python, extra_args=args, hintflow=hintflow,
+    )  # fmt: skip
+    if hintflow and aging_s is not None:
+        env["HINTFLOW_PRIORITY_AGING_S"] = str(aging_s)
+    log = state / f"{mode}.log"
+    proc = start_vllm(argv, env, log, cwd=state)
+    base = f"http://127.0.0.1:{port}"
+    pusher = None
+    try:
+        wait_healthy(proc, base, log)
+        warm = AgentProgram("warmup", 0.0, programs[0].turns[:1])
+        run_program(base, str(model), warm, time.monotonic(), "plain")
+        if mode == "hintflow-orchestrator":
+            pusher = HintPusher(f"127.0.0.1:{hint_port}")
+        client_mode = {"vanilla": "plain", "hintflow-infer": "infer", "hintflow-orchestrator": "plain"}[mode]
+        t0 = time.monotonic() + 0.5
+        with ThreadPoolExecutor(max_workers=len(programs)) as pool:
+            futs = [pool.submit(run_program, base, str(model), p, t0, client_mode, pusher) for p in programs]
+            results = [f.result() for f in futs]
+        out = summarize(results, time.monotonic() - t0)
+        dump = [{"program": r.program_id, "arrival_s": r.arrival_s, "jct_s": r.jct_s, "error": r.error,
+                 "turns": [vars(t) for t in r.turns]} for r in results]  # fmt: skip
+        (state / f"{mode}.programs.json").write_text(json.dumps(dump))
+        if pusher is not None:
+            out["hints_sent"] = dict(pusher.sent)
+            out["hint_results"] = dict(pusher.codes)
+        return out
+    finally:
+        if pusher is not None:
+            pusher.close()
+        stop_vllm(proc)
+
+
+def _ensure_model(python: str, model: Path) -> None:
+    if (model / "config.json").exists():
+        return
+    cmd = [python, "-c", "import sys; from engine_adapter.vllm_backend._tiny_model import make_tiny_model; "
+           "make_tiny_model(sys.argv[1])", str(model)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
+
+
+def _verdict(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's Done-when, per hintflow mode, against vanilla."""
+    v = modes.get("vanilla")
+    out: dict[str, Any] = {}
+    if not v:
+        return out
+    for name, m in modes.items():
+        if name == "vanilla":
+            continue
+        out[name] = {
+            "jct_mean_speedup": v["jct_mean_s"] / m["jct_mean_s"],
+            "jct_p90_speedup": v["jct_p90_s"] / m["jct_p90_s"],
+            "ttft_p99_ratio": m["ttft_p99_s"] / v["ttft_p99_s"],
+            "done_when_met": v["jct_mean_s"] >= 2 * m["jct_mean_s"] and v["jct_p90_s"] >= 2 * m["jct_p90_s"]
+            and m["across_turn_hit_rate"] >= 0.5 and m["ttft_p99_s"] <= v["ttft_p99_s"],
+        }  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny model)")
+    ap.add_argument("--python", default=str(REPO / ".venv-vllm" / "bin" / "python"), help="Python with vLLM")
+    ap.add_argument("--state-dir", type=Path, default=Path(tempfile.gettempdir()) / "hintflow-vllm-bench")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--workload", choices=("builtin", "swe-agent"), default="builtin")
+    ap.add_argument("--programs", type=int, default=40)
+    ap.add_argument("--rate", type=float, default=1.0, help="program arrivals per second (Poisson)")
+    ap.add_argument("--scale", type=float, default=0.1, help="swe-agent token scale")
+    ap.add_argument("--pause-scale", type=float, default=1.0, help="swe-agent pause scale")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pool-fraction", type=float, default=1 / 3)
+    ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks (default: from --pool-fraction)")
+    ap.add_argument("--pin-budget", type=float, default=0.5)
+    ap.add_argument("--aging-s", type=float, default=None, help="HINTFLOW_PRIORITY_AGING_S for hintflow modes")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("extra", nargs="*", help="further vLLM flags (after --)")
+    a = ap.parse_args(argv)
+    if a.workload == "builtin":
+        programs = builtin_programs(a.programs, rate=a.rate, seed=a.seed)
+    else:
+        programs = swe_agent_programs(a.programs, rate=a.rate, seed=a.seed, scale=a.scale, pause_scale=a.pause_scale)
+    state = a.state_dir.resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    model = (a.model or state / "tiny-model").resolve()
+    _ensure_model(a.python, model)
+    max_len = BLOCK * math.ceil((max(p.max_context for p in programs) + 16) / BLOCK)
+    blocks, live = pool_blocks_for(programs, fraction=a.pool_fraction)
+    blocks = a.num_blocks or blocks
+    floor = max_len // BLOCK + 1
+    report: dict[str, Any] = {
+        "workload": {"kind": a.workload, "programs": a.programs, "rate": a.rate, "seed": a.seed,
+                     "scale": a.scale if a.workload == "swe-agent" else None,
+                     "expected_live_programs": live, "max_model_len": max_len},
+        "num_gpu_blocks": max(blocks, floor), "pool_blocks_wanted": blocks, "pin_budget": a.pin_budget,
+        "aging_s": a.aging_s,
+        "modes": {},
+    }  # fmt: skip
+    for mode in a.modes.split(","):
+        print(f"[agent-bench] {mode}: {len(programs)} programs, {report['num_gpu_blocks']} blocks", file=sys.stderr)
+        report["modes"][mode] = run_mode(
+            mode, programs, model=model, python=a.python, state=state, num_blocks=report["num_gpu_blocks"],
+            max_model_len=max_len, pin_budget=a.pin_budget, extra_args=list(a.extra), aging_s=a.aging_s,
+        )  # fmt: skip
+        print(json.dumps({mode: report["modes"][mode]}), file=sys.stderr)
+    report["verdict"] = _verdict(report["modes"])
+    text = json.dumps(report, indent=2)
+    if a.out:
+        a.out.write_text(text)
+    print(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Hints inferred inside the engine for clients that only name their program (issue 5, item 2).
+
+Why: most agents do not run on an orchestrator that sends hints, but every agent framework can add a
+field to its OpenAI request. A client that sends ``extra_body={"vllm_xargs": {"program_id": P}}`` (and,
+when it knows them, ``tool`` = the tool that runs after this turn, and ``is_last_turn``) gives the engine
+enough to act as Continuum does, with no other process:
+
+- **pause lengths**: the gap from the end of a program's turn k to the arrival of turn k+1 is the tool's
+  pause; it feeds an orchestrator :class:`PauseModel` per tool name (``"unknown"`` when not given);
+- **pin**: when a turn ends, its context is pinned for Continuum's ``tau*`` (:class:`ContinuumTTL`), with
+  the reload cost measured on this engine (seconds per computed token, from its own steps) and the
+  queueing delay of turns whose context was not kept (Continuum's T);
+- **program FCFS**: a program's requests are dated by when the engine first saw the program;
+- **release**: at the end of a turn flagged ``is_last_turn``, or when a program stays silent for
+  :data:`SILENT_FACTOR` times its lease (at least :data:`SILENT_MIN_S`): its blocks go to the front of the
+  free queue, since a program that does not come back should not cost anyone a cache hit.
+
+Explicit hints win: a session that got any hint over ``PushHints`` in the last ``defer_s`` seconds is
+never auto-pinned (the orchestrator knows more than pause statistics). No vLLM import (duck-typed book).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator._pause_model import PauseModel
+from orchestrator._ttl import ContinuumTTL
+
+from ._sessions import SessionBook, VSession
+
+__all__ = ["SILENT_FACTOR", "SILENT_MIN_S", "HintInference", "infer_enabled"]
+
+SILENT_FACTOR = 4.0
+"""A program silent for this many times its last lease is taken as gone (its context is released)."""
+SILENT_MIN_S = 30.0
+"""...but never sooner than this: a short lease says little about how long a tool may take."""
+UNKNOWN_TOOL = "unknown"
+
+
+def infer_enabled() -> bool:
+    """``HINTFLOW_INFER_HINTS`` (default on): 0/false/no/off disables the inference."""
+    return os.environ.get("HINTFLOW_INFER_HINTS", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+@dataclass
+class _Program:
+    first_seen_s: float
+    turns: int = 0
+    last_end_s: float | None = None  # when its last turn finished (None while one runs)
+    tool: str = UNKNOWN_TOOL  # the tool running since that turn ended
+    lease_s: float = 0.0
+    last_turn_seen: bool = False
+
+
+class HintInference:
+    """Per-program pause statistics and the pins, priorities and releases they imply (module docstring).
+
+    Called by the scheduler under its lock: ``on_request`` (arrival), ``on_turn_end`` (before the book
+    takes the finished request's blocks), ``after_turn_end``, ``on_admitted``, ``observe_step``, ``sweep``.
+    """
+
+    def __init__(
+        self,
+        book: SessionBook,
+        *,
+        defer_s: float = 60.0,
+        min_samples: int = 20,
+        default_pause_s: float = 1.0,
+        reload_s_per_token: float | None = None,
+        silent_min_s: float = SILENT_MIN_S,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """``reload_s_per_token`` fixes the re-prefill cost (a profile, as Continuum's fit) instead of
+        measuring it; ``silent_min_s`` is the least silence after which a program is released."""
+        self.book = book
+        self.clock = clock or book.clock
+        self.defer_s = defer_s
+        self.pauses = PauseModel(min_samples=min_samples, default_mean_s=default_pause_s)
+        self.rule = ContinuumTTL(self.pauses, self.prefill_reload_s)
+        self.programs: dict[str, _Program] = {}
+        self.explicit_s: dict[str, float] = {}  # session id -> when it last got a hint over PushHints
+        self.s_per_token = reload_s_per_token or 1e-4  # re-prefill cost, refined from this engine's steps
+        self.measure_reload = reload_s_per_token is None
+        self.silent_min_s = silent_min_s
+        self.inferred_pins = 0
+        self.inferred_releases = 0
+        self._next_sweep_s = 0.0
+        self._pinned: set[str] = set()  # sessions whose current pin this inference set
+
+    # ---- costs ---------------------------------------------------------------------------------
+    def prefill_reload_s(self, context_tokens: int) -> float:
+        return self.s_per_token * context_tokens
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A model step of ``tokens`` took ``seconds``: prefill-sized steps refine the reload cost (EWMA)."""
+        if self.measure_reload and tokens >= 64 and seconds > 0 and math.isfinite(seconds):
+            self.s_per_token = 0.9 * self.s_per_token + 0.1 * (seconds / tokens)
+
+    def note_explicit(self, session_id: str) -> None:
+        """The orchestrator speaks for this session now: an inferred pin it still holds is dropped."""
+        self.explicit_s[session_id] = self.clock()
+        s = self.book.sessions.get(session_id)
+        if session_id in self._pinned and s is not None:
+            self.book.drop_pin(s)
+        self._pinned.discard(session_id)
+
+    def _explicit(self, session_id: str, now: float) -> bool:
+        return now - self.explicit_s.get(session_id, -math.inf) < self.defer_s
+
+    # ---- events --------------------------------------------------------------------------------
+    def on_request(self, s: VSession, extra: dict[str, Any]) -> None:
+        """A turn arrives: close the pause it ends, remember what it says about the next one."""
+        now = self.clock()
+        p = self.programs.get(s.program_id)
+        if p is None:
+            p = self.programs[s.program_id] = _Program(first_seen_s=now)
+        elif p.last_end_s is not None:
+            self.pauses.observe(p.tool, max(0.0, now - p.last_end_s))
+        p.last_end_s = None
+        p.turns += 1
+        tool = extra.get("tool")
+        p.tool = str(tool) if tool else UNKNOWN_TOOL
+        p.last_turn_seen = bool(extra.get("is_last_turn"))
+        if s.program_start_s is None:
+            s.program_start_s = p.first_seen_s  # program FCFS; a Priority hint overrides it
+
+    def on_admitted(self, s: VSession, queue_delay_s: float, kept: bool) -> None:
+        """Continuum's T: how long turns whose context was not kept waited to be admitted."""
+        p = self.programs.get(s.program_id)
+        if p is not None and p.turns > 1 and not kept and queue_delay_s >= 0:
+            self.rule.observe_evicted_queue_delay(queue_delay_s)
+
+    def on_turn_end(self, s: VSession, context_tokens: int) -> None:
+        """Pin the finished turn's context for tau* unless the orchestrator speaks for this session."""
+        now = self.clock()
+        p = self.programs.get(s.program_id)
+        if p is None or len(s.live) > 1:
+            return  # another turn of the session is in flight: its end decides
+        p.last_end_s = now
+        if p.last_turn_seen or s.released or self._explicit(s.session_id, now):
+            return
+        ttl = self.rule.ttl(p.tool, context_tokens)
+        p.lease_s = ttl
+        if ttl > 0:
+            self.book.set_pin(s, ttl)
+            self._pinned.add(s.session_id)
+            self.inferred_pins += 1
+
+    def after_turn_end(self, s: VSession) -> None:
+        """The blocks are placed; a last turn releases the whole program now."""
+        p = self.programs.get(s.program_id)
+        if p is None or not p.last_turn_seen or s.live:
+            return
+        if not self._explicit(s.session_id, self.clock()):
+            self.book.release_program(s.program_id)
+            self.inferred_releases += 1
+        self.rule.observe_program_finished(p.turns)
+        self._drop(s.program_id)
+
+    def sweep(self) -> None:
+        """Release programs silent far past their lease (cheap: runs once a second)."""
+        now = self.clock()
+        if now < self._next_sweep_s:
+            return
+        self._next_sweep_s = now + 1.0
+        for pid, p in list(self.programs.items()):
+            if p.last_end_s is None or now - p.last_end_s < max(self.silent_min_s, SILENT_FACTOR * p.lease_s):
+                continue
+            members = [self.book.sessions[sid] for sid in self.book.programs.get(pid, ()) if sid in self.book.sessions]
+            if any(m.live for m in members):
+                continue
+            if members and not any(self._explicit(m.session_id, now) for m in members):
+                self.book.release_program(pid)
+                self.inferred_releases += 1
+            self._drop(pid)
+
+    def _drop(self, program_id: str) -> None:
+        self.programs.pop(program_id, None)
+        self._pinned -= set(self.book.programs.get(program_id, ())) | {program_id}
+        for sid in [sid for sid, t in self.explicit_s.items() if self.clock() - t > self.defer_s]:
+            del self.explicit_s[sid]

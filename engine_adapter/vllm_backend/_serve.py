@@ -1,0 +1,154 @@
+"""Start vLLM's OpenAI server with hintflow's scheduler and hint service (``hintflow engine serve --backend vllm``).
+
+Why a function and not a shell line: the same command serves users, tests and the agent benchmark, and it
+must get several things right every time. ``vllm serve`` fails in the CPU build (no ``vllm`` distribution
+metadata), so the module entry point is used; ``engine_adapter`` must be importable in vLLM's engine-core
+process (``PYTHONPATH`` gets the repository root); vLLM writes caches, sockets and temporary files outside
+the work tree unless ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``VLLM_RPC_BASE_PATH`` and
+``TMPDIR`` point into ``state_dir``; ``--gpu-memory-utilization`` is a fraction of the NUMA node's memory on
+CPU, whose default (0.92) fails beside other processes, so 0.1 unless given. Flags in ``extra_args`` pass
+through to vLLM unchanged and win over these defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "SCHEDULER_CLS",
+    "build_vllm_command",
+    "find_vllm_python",
+    "serve_vllm",
+    "start_vllm",
+    "stop_vllm",
+    "wait_healthy",
+]
+
+SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowScheduler"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def find_vllm_python() -> str | None:
+    """A Python that imports vLLM: ``$HINTFLOW_VLLM_PYTHON``, else the repo's ``.venv-vllm``, else this one.
+
+    vLLM lives in its own venv (it pins numpy and click versions the main environment must not get).
+    """
+    for py in (os.environ.get("HINTFLOW_VLLM_PYTHON", ""), str(REPO / ".venv-vllm" / "bin" / "python"), sys.executable):
+        if py and Path(py).exists():
+            r = subprocess.run([py, "-c", "import vllm"], capture_output=True, timeout=120)
+            if r.returncode == 0:
+                return py
+    return None
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def build_vllm_command(
+    model_dir: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    hint_port: int | None = None,
+    pin_budget: float | None = None,
+    node_id: str | None = None,
+    state_dir: str | Path = ".hintflow-vllm",
+    python: str | None = None,
+    extra_args: Sequence[str] = (),
+    hintflow: bool = True,
+    infer_hints: bool | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that serve ``model_dir``; ``hintflow=False`` gives stock vLLM (a baseline).
+
+    ``hint_port`` None: no hint service (inferred hints still work). ``infer_hints`` None keeps the
+    scheduler's default (on). ``state_dir`` receives vLLM's caches, sockets and temporary files.
+    """
+    extra = list(extra_args)
+    state = Path(state_dir).resolve()
+    env = dict(os.environ)
+    for var, sub in (
+        ("VLLM_CACHE_ROOT", "cache"),
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("VLLM_RPC_BASE_PATH", "rpc"),
+        ("TMPDIR", "tmp"),
+    ):
+        (state / sub).mkdir(parents=True, exist_ok=True)
+        env[var] = str(state / sub)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    argv = [python or find_vllm_python() or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    argv += ["--host", host, "--port", str(port), "--enable-prompt-tokens-details"]
+    if not _has_flag(extra, "--gpu-memory-utilization"):
+        argv += ["--gpu-memory-utilization", "0.1"]
+    if hintflow:
+        if not _has_flag(extra, "--scheduler-cls"):
+            argv += ["--scheduler-cls", SCHEDULER_CLS]
+        if not _has_flag(extra, "--scheduling-policy"):
+            argv += ["--scheduling-policy", "priority"]  # program-level FCFS needs vLLM's priority queue
+        if hint_port is not None:
+            env["HINTFLOW_HINT_PORT"] = str(hint_port)
+        if pin_budget is not None:
+            env["HINTFLOW_PIN_BUDGET"] = str(pin_budget)
+        if node_id:
+            env["HINTFLOW_NODE_ID"] = node_id
+        if infer_hints is not None:
+            env["HINTFLOW_INFER_HINTS"] = "1" if infer_hints else "0"
+    return argv + extra, env
+
+
+def start_vllm(
+    argv: Sequence[str], env: dict[str, str], log_path: str | Path, cwd: str | Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start the server with stdout and stderr in ``log_path`` (the caller terminates it)."""
+    log = open(log_path, "wb")  # noqa: SIM115 (the child holds it; closed here once it is inherited)
+    try:
+        return subprocess.Popen(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+    finally:
+        log.close()
+
+
+def wait_healthy(
+    proc: subprocess.Popen[bytes], base_url: str, log_path: str | Path, timeout_s: float = 300.0
+) -> None:
+    """Poll ``/health`` until it answers; the log's tail in the error if the server dies or never answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited {proc.returncode}:\n{Path(log_path).read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2):
+                return
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(Path(log_path).read_text()[-4000:]) from None
+            time.sleep(0.5)
+
+
+def stop_vllm(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def serve_vllm(model_dir: str | Path, **kw: object) -> int:
+    """Run the server in the foreground until it exits (Ctrl-C stops it); its exit status.
+
+    Keyword arguments are :func:`build_vllm_command`'s. Output goes to this process's stdout/stderr.
+    """
+    argv, env = build_vllm_command(model_dir, **kw)  # type: ignore[arg-type]
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        stop_vllm(proc)
+        return 130

@@ -1,0 +1,161 @@
+"""Engine-side hint inference (``engine_adapter.vllm_backend._infer``) on a fake vLLM block pool.
+
+No vLLM needed: the session book and the inference only duck-type vLLM's ``BlockPool`` (``touch``,
+``free_blocks``, ``free_block_queue``), so these run in the main environment on a virtual clock and
+pin down the rules; tests/test_vllm_infer.py checks the same against a real server.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine_adapter.vllm_backend._infer import SILENT_FACTOR, HintInference, infer_enabled
+from engine_adapter.vllm_backend._sessions import SessionBook
+
+
+@dataclass(eq=False)
+class Blk:
+    block_id: int
+    block_hash: object = None
+    ref_cnt: int = 1
+    is_null: bool = False
+
+
+class Queue:
+    def __init__(self) -> None:
+        self.items: list[Blk] = []
+
+    def remove(self, b: Blk) -> None:
+        self.items.remove(b)
+
+    def prepend_n(self, bs: list[Blk]) -> None:
+        self.items[:0] = bs
+
+    def append_n(self, bs: list[Blk]) -> None:
+        self.items.extend(bs)
+
+
+class Pool:
+    def __init__(self) -> None:
+        self.free_block_queue = Queue()
+
+    def touch(self, bs: Iterable[Blk]) -> None:
+        for b in bs:
+            if b.ref_cnt == 0:
+                self.free_block_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free_blocks(self, bs: Iterable[Blk]) -> None:
+        for b in bs:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_block_queue.append_n([b])
+
+
+_ids = itertools.count()
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _setup(**kw: float) -> tuple[SessionBook, HintInference, Clock]:
+    clock = Clock()
+    book = SessionBook(Pool(), 100, pin_budget_fraction=0.5, clock=clock)
+    inf = HintInference(book, reload_s_per_token=0.1, **kw)  # type: ignore[arg-type]
+    return book, inf, clock
+
+
+def _turn(book: SessionBook, inf: HintInference, sid: str, rid: str, extra: dict, n_blocks: int = 4) -> None:
+    """One turn of ``sid``: arrives, runs, finishes with ``n_blocks`` hashed blocks."""
+    s = book.session(sid, str(extra.get("program_id", "")))
+    book.on_request_added(s, rid)
+    inf.on_request(s, extra)
+    book.on_admitted(s, rid)
+    inf.on_turn_end(s, n_blocks * 128)
+    blocks = [Blk(next(_ids), block_hash=(sid, rid, i)) for i in range(n_blocks)]
+    book.on_request_finished(s, rid, blocks)
+    inf.after_turn_end(s)
+
+
+def test_a_finished_turn_is_pinned_for_the_continuum_ttl_and_the_pause_is_measured() -> None:
+    book, inf, clock = _setup()
+    _turn(book, inf, "p", "r1", {"program_id": "p", "tool": "edit"})
+    s = book.sessions["p"]
+    assert len(s.held) == 4 and inf.inferred_pins == 1
+    # cold start: Exp(1 s) tools, benefit 0.1 s/token x 512 tokens = 51.2 s -> tau = ln(51.2) ~ 3.9 s
+    assert s.pin_deadline_s is not None and 3.0 < s.pin_deadline_s < 5.5
+    clock.t = 2.5
+    _turn(book, inf, "p", "r2", {"program_id": "p", "tool": "test"})
+    assert inf.pauses.num_samples("edit") == 1
+    assert inf.pauses._tools["edit"].support().tolist() == [2.5]  # end of turn 1 to arrival of turn 2
+    assert inf.programs["p"].tool == "test"
+
+
+def test_program_fcfs_dates_a_program_by_its_first_request() -> None:
+    book, inf, clock = _setup()
+    _turn(book, inf, "old", "r1", {"program_id": "old"})
+    clock.t = 5.0
+    _turn(book, inf, "new", "r2", {"program_id": "new"})
+    clock.t = 6.0
+    _turn(book, inf, "old", "r3", {"program_id": "old"})
+    assert book.sessions["old"].program_start_s == 0.0
+    assert book.sessions["new"].program_start_s == 5.0
+
+
+def test_last_turn_releases_the_program_and_feeds_eta() -> None:
+    book, inf, _ = _setup()
+    _turn(book, inf, "p", "r1", {"program_id": "p", "tool": "t"})
+    assert book.num_pinned_blocks == 4
+    _turn(book, inf, "p", "r2", {"program_id": "p", "is_last_turn": True})
+    assert book.num_pinned_blocks == 0 and "p" not in book.sessions and "p" not in inf.programs
+    assert inf.inferred_releases == 1 and inf.rule._num_programs == 1
+
+
+def test_explicit_hints_take_precedence() -> None:
+    book, inf, clock = _setup(defer_s=10.0)
+    inf.note_explicit("p")
+    _turn(book, inf, "p", "r1", {"program_id": "p", "tool": "t"})
+    assert book.num_pinned_blocks == 0 and inf.inferred_pins == 0
+    clock.t = 11.0  # the orchestrator went quiet: inference takes over again
+    _turn(book, inf, "p", "r2", {"program_id": "p", "tool": "t"})
+    assert book.num_pinned_blocks == 4
+    inf.note_explicit("p")  # ...until it speaks again: the inferred pin goes, its own hints decide
+    assert book.num_pinned_blocks == 0
+
+
+def test_a_program_silent_far_past_its_lease_is_released() -> None:
+    book, inf, clock = _setup(silent_min_s=5.0)
+    _turn(book, inf, "p", "r1", {"program_id": "p", "tool": "t"})
+    lease = inf.programs["p"].lease_s
+    clock.t = max(5.0, SILENT_FACTOR * lease) - 0.1
+    inf.sweep()
+    assert "p" in book.sessions
+    clock.t += 1.2  # past the threshold (and the sweep's one-second period)
+    book.expire()
+    inf.sweep()
+    assert "p" not in book.sessions and inf.inferred_releases == 1
+
+
+def test_measured_reload_cost_follows_prefill_steps() -> None:
+    book = SessionBook(Pool(), 100, clock=Clock())
+    inf = HintInference(book)
+    for _ in range(100):
+        inf.observe_step(2000, 0.5)  # 0.25 ms per token
+        inf.observe_step(8, 0.5)  # decode steps say nothing about prefill
+    assert abs(inf.s_per_token - 2.5e-4) < 1e-6
+    assert abs(inf.prefill_reload_s(4000) - 1.0) < 1e-2
+
+
+def test_switch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("HINTFLOW_INFER_HINTS", "0")
+    assert not infer_enabled()
+    monkeypatch.setenv("HINTFLOW_INFER_HINTS", "1")
+    assert infer_enabled()
+    monkeypatch.delenv("HINTFLOW_INFER_HINTS")
+    assert infer_enabled()
