@@ -80,15 +80,19 @@ class ProgramTracker:
         preds = state.predict_next_use(self.pause_model, now_s)
         trusted = self.num_finished.get(live.workflow, 0) >= self.min_finished_for_dead
         reachable = (
-            set(state.graph.most_likely_paths(state.current_step)) if state.current_step is not None else set()
+            set(state.graph.most_likely_paths(state.current_step))
+            if state.current_step is not None
+            else set()
         )
         out: dict[str, float] = {}
         for sid in session_ids:
             steps = state.session_steps.get(sid, set())
             if trusted and state.current_step is not None and steps and not (steps & reachable):
                 out[sid] = MAX_HORIZON_S
-            elif sid in preds and state.last_turn_end_s.get(sid) is not None and any(
-                s in reachable for s in steps
+            elif (
+                sid in preds
+                and state.last_turn_end_s.get(sid) is not None
+                and any(s in reachable for s in steps)
             ):
                 out[sid] = preds[sid]
         return out

@@ -1,0 +1,96 @@
+"""Ours: the ``hintflow`` policy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from hints import (
+    MAX_HORIZON_S,
+    HintModel,
+    Pin,
+    Prefetch,
+)
+from orchestrator._baselines import ContinuumPolicy
+from orchestrator._events import ProgramEnded, Tick, ToolStarted, TurnEnded, TurnStarted
+from orchestrator._policy_base import _cap
+from orchestrator._tracker import ProgramTracker
+
+
+class HintFlowPolicy(ContinuumPolicy):
+    """Ours: Continuum's pin rule plus an eviction order by the predicted next use of every parked session.
+
+    For each session in a tool, next use = ``PauseModel.expected_remaining(tool, elapsed)`` (E[T - t | T > t],
+    heavy-tail aware); for a session between turns, the program graph learned for its workflow type
+    (:class:`ProgramTracker`: the most probable path to its next turn, or the horizon once it is dead).  Sent at ToolStarted; on Tick re-sent only for sessions whose predicted next-use
+    time moved by more than ``rel_change`` (10%) of the prediction (incremental updates).  Priority by
+    program age; Release at the end.
+    """
+
+    name = "hintflow"
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.tracker = ProgramTracker(self.pause_model)
+
+    def _predictions(self, now_s: float) -> dict[str, Callable[[], float]]:
+        """In a pause: the pause model's remaining time.  Between turns: the program graph's prediction
+        (dead sessions: the horizon, so they go first); sessions neither can place are left to recency."""
+        out: dict[str, Callable[[], float]] = {}
+        between: dict[str, list[str]] = {}
+        for sid, p in self._parked.items():
+            if p.tool is not None:
+                tool, elapsed = p.tool, max(now_s - p.started_s, 0.0)
+                out[sid] = partial(self.pause_model.expected_remaining, tool, elapsed)
+            else:
+                between.setdefault(p.program_id, []).append(sid)
+        for program_id, sids in between.items():
+            graph_preds = self._safe(
+                partial(self.tracker.predict, program_id, sids, now_s), "graph prediction"
+            )
+            for sid, value in (graph_preds or {}).items():
+                out[sid] = partial(float, value)
+        return out
+
+    def _on_turn_started(self, ev: TurnStarted) -> list[HintModel]:
+        self.tracker.turn_started(ev.program_id, ev.session_id, ev.now_s, ev.workflow)
+        return super()._on_turn_started(ev)
+
+    def _on_turn_ended(self, ev: TurnEnded) -> list[HintModel]:
+        self.tracker.turn_ended(ev.program_id, ev.session_id, ev.now_s)
+        return []
+
+    def _on_program_ended(self, ev: ProgramEnded) -> list[HintModel]:
+        self.tracker.program_ended(ev.program_id)
+        return super()._on_program_ended(ev)
+
+    def _prefetch(self, ev: ToolStarted, pin_ttl_s: float) -> list[HintModel]:
+        """Ask for the context back shortly before the earliest likely return, unless the pin already
+        covers the likely returns (then it never leaves the device and a prefetch would be a no-op)."""
+        dist = self.pause_model.distribution(ev.tool)
+        if pin_ttl_s >= dist.quantile(0.9):
+            return []
+        hint = self._safe(
+            lambda: Prefetch(session_id=ev.session_id, at_s=_cap(0.8 * dist.quantile(0.25), MAX_HORIZON_S)),
+            f"Prefetch({ev.session_id})",
+        )
+        return [hint] if hint is not None else []
+
+    def _on_tool_started(self, ev: ToolStarted) -> list[HintModel]:
+        self.tracker.tool_started(ev.program_id, ev.tool, ev.now_s, ev.workflow)
+        out = self._pin_at_tool_start(ev)
+        pin_ttl = next((h.ttl_s for h in out if isinstance(h, Pin)), 0.0)
+        out += self._prefetch(ev, pin_ttl)
+        tool = ev.tool
+        out += self._eviction_order(
+            {ev.session_id: lambda: self.pause_model.expected_remaining(tool, 0.0)},
+            ev.now_s,
+            only_changed=False,
+        )
+        return out
+
+    def _on_tick(self, ev: Tick) -> list[HintModel]:
+        return self._renew_pins(ev.now_s) + self._eviction_order(
+            self._predictions(ev.now_s), ev.now_s, only_changed=True
+        )
