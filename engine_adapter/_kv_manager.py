@@ -116,6 +116,7 @@ class KVStats:
     pin_clamps: int = 0
     forced_unpins: int = 0
     prefetched_blocks: int = 0
+    skipped_prefetches: int = 0  # due while a queued turn waited for memory (see _prefetch)
 
 
 class KVCacheManager:
@@ -526,7 +527,16 @@ class KVCacheManager:
         return changed
 
     def _prefetch(self, s: Session) -> None:
-        """Reload host blocks into *free* device blocks only: a prefetch never evicts anyone."""
+        """Reload host blocks into *free* device blocks only: a prefetch never evicts anyone.
+
+        Nor does it take free blocks while a queued turn waits for memory: that turn would have to evict
+        (offload) someone to get back the very blocks the prefetch took, so a guess about a future turn
+        would cost a turn that is ready now (measured in replay: about 70% more offloads, a longer queue).
+        The prefetch is dropped; the session's turn reloads its host blocks on admission instead.
+        """
+        if any(x.state is SessionState.WAITING for x in self.sessions.values()):
+            self.stats.skipped_prefetches += 1
+            return
         n = min(len(s.host_block_ids), self.device.num_free_blocks)
         if n <= 0:
             return

@@ -267,3 +267,23 @@ def test_prefetch_reloads_offloaded_context_before_return_without_evicting() -> 
     assert plan.num_cached_tokens == 12 and plan.num_host_tokens == 4
     kv.device.unref(held[3])
     kv.check_invariants()
+
+
+def test_prefetch_leaves_free_blocks_to_a_turn_waiting_for_memory() -> None:
+    kv, clock = make_kv(8, host=8)
+    a = park_context(kv, "a", toks(0, 16))
+    park_context(kv, "b", toks(100, 16))
+    held = kv.allocate_device(4)  # a is evicted to host
+    assert held is not None and len(a.host_block_ids) == 4
+    kv.take_copies()
+    kv.set_prefetch(a, 1.0)
+    for blk in held:
+        kv.device.unref(blk)  # four blocks come free ...
+    c = kv.get_or_create("c", "c")
+    kv.set_waiting(c)  # ... while a queued turn waits for memory
+    clock.advance(1.0)
+    kv.tick()
+    # The prefetch would take the blocks the queued turn needs: it is skipped, a stays on host.
+    assert len(a.host_block_ids) == 4 and not a.block_ids and kv.device.num_free_blocks == 4
+    assert kv.stats.skipped_prefetches == 1 and kv.take_copies() == []
+    kv.check_invariants()
