@@ -33,6 +33,11 @@ class HintFlowPolicy(ContinuumPolicy):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.tracker = ProgramTracker(self.pause_model)
+        if self.host_reload is not None:
+            # With a host tier an evicted context comes back by copy, not by re-prefill: a pin saves only
+            # the cheaper of the two, so it is priced by that (Continuum prices re-prefill alone).
+            prefill, host = self.prefill_reload, self.host_reload
+            self.ttl.prefill_reload = lambda n: min(float(prefill(n)), float(host(n)))
 
     def _predictions(self, now_s: float) -> dict[str, Callable[[], float]]:
         """In a pause: the pause model's remaining time.  Between turns: the program graph's prediction

@@ -74,9 +74,13 @@ class _BasePolicy:
         *,
         rel_change: float = 0.1,
         renew_ahead_s: float | None = None,
+        host_reload: Callable[[int], float] | None = None,
     ) -> None:
         self.pause_model = pause_model if pause_model is not None else PauseModel()
         self.prefill_reload = prefill_reload
+        # Seconds to copy a context of n tokens back from the node's host tier (None: no host tier).  The
+        # baselines price a lost context as their papers do; ours may use it (see HintFlowPolicy).
+        self.host_reload = host_reload
         self.ttl = ContinuumTTL(self.pause_model, prefill_reload)
         self.rel_change = rel_change
         # Renew a pin this long before it lapses (the Tick period), so a renewed lease never has a gap.

@@ -94,7 +94,13 @@ class Simulation:
         self.by_address = {n.address: n for n in self.nodes}
         cm = spec.cost_model
         self.prefill = _PrefillEstimator(cm.prefill_reload_s)
-        self.policy: HintPolicy = get_policy(config.hint_policy, prefill_reload=self.prefill.reload_s)
+        host_reload = None
+        if config.host_tier:
+            per_token_s = cm.copy_per_block_s / cm.block_size
+            host_reload = lambda n: per_token_s * n  # noqa: E731
+        self.policy: HintPolicy = get_policy(
+            config.hint_policy, prefill_reload=self.prefill.reload_s, host_reload=host_reload
+        )
         self.router = Router(cm.prefill_time, policy=config.routing,
                              host_reload_s_per_token=cm.copy_per_block_s / cm.block_size)
         self.watch_interval_s, self.sample_interval_s = watch_interval_s, sample_interval_s

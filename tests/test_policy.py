@@ -207,3 +207,15 @@ def test_hintflow_prefetches_only_when_the_pin_may_end_before_the_return() -> No
     hints = dear.on_event(ToolStarted("p", "s", "bash", 0.0, 1000))
     assert any(isinstance(h, Pin) for h in hints)
     assert not any(isinstance(h, Prefetch) for h in hints)
+
+
+def test_hintflow_prices_a_pin_by_the_cheaper_of_reprefill_and_host_reload() -> None:
+    """Re-prefill 10 s would pay a pin (tau = ln 10 for Exp(1) pauses); a 0.5 s reload from the host tier
+    does not (B < 1).  Continuum prices re-prefill alone, as its paper does."""
+    ev = ToolStarted("p", "s", "bash", 0.0, 1000)
+    pins = [h for h in get_policy("hintflow", prefill_reload=lambda n: 10.0).on_event(ev) if isinstance(h, Pin)]
+    assert pins and pins[0].ttl_s == pytest.approx(math.log(10.0), rel=1e-3)
+    ours = get_policy("hintflow", prefill_reload=lambda n: 10.0, host_reload=lambda n: 0.5)
+    assert not [h for h in ours.on_event(ev) if isinstance(h, Pin) and h.ttl_s > 0]
+    theirs = get_policy("continuum", prefill_reload=lambda n: 10.0, host_reload=lambda n: 0.5)
+    assert [h for h in theirs.on_event(ev) if isinstance(h, Pin) and h.ttl_s > 0]
