@@ -167,6 +167,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         "HINTFLOW_HINT_PORT": str(hint_port),
         "HINTFLOW_PIN_BUDGET": "0.6",
         "HINTFLOW_INFER_HINTS": "0",  # explicit hints only: unhinted sessions are vanilla controls here
+        # strict program FCFS: the Priority test's hour-old program must not be clamped to the 3 s aging
+        "HINTFLOW_PRIORITY_AGING_S": "inf",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [

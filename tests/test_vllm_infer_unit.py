@@ -159,3 +159,17 @@ def test_switch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     assert infer_enabled()
     monkeypatch.delenv("HINTFLOW_INFER_HINTS")
     assert infer_enabled()
+
+
+def test_a_prefill_backlog_starts_pins_before_any_queueing_is_measured() -> None:
+    """Continuum's T is 0 until evicted turns have queued; the engine's backlog is T's floor here."""
+    backlog = [0]
+    book = SessionBook(Pool(), 100, pin_budget_fraction=0.5, clock=Clock())
+    inf = HintInference(book, reload_s_per_token=1e-4, backlog_tokens=lambda: backlog[0])
+    assert inf.rule.queue_delay_s == 0.0
+    _turn(book, inf, "a", "r1", {"program_id": "a", "tool": "edit"})
+    assert book.num_pinned_blocks == 0  # B = 0.05 s of reload < the Exp(1 s) pause: no pin pays
+    backlog[0] = 50_000  # 5 s of prefill already queued: a re-prefilled turn would wait that long
+    assert abs(inf.rule.queue_delay_s - 5.0) < 1e-9
+    _turn(book, inf, "b", "r2", {"program_id": "b", "tool": "edit"})
+    assert book.num_pinned_blocks == 4 and inf.inferred_pins == 1

@@ -77,6 +77,7 @@ def summarize(results: list[ProgramResult], wall_s: float) -> dict[str, Any]:
 def run_mode(
     mode: str, programs: list[AgentProgram], *, model: Path, python: str, state: Path, num_blocks: int,
     max_model_len: int, pin_budget: float, extra_args: list[str], aging_s: float | None = None,
+    hint_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Start this mode's server, replay the programs, stop it; the mode's summary."""
     port, hint_port = _free_port(), _free_port()
@@ -89,6 +90,8 @@ def run_mode(
     )  # fmt: skip
     if hintflow and aging_s is not None:
         env["HINTFLOW_PRIORITY_AGING_S"] = str(aging_s)
+    if hintflow:
+        env.update(hint_env or {})
     log = state / f"{mode}.log"
     proc = start_vllm(argv, env, log, cwd=state)
     base = f"http://127.0.0.1:{port}"
@@ -159,8 +162,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool-fraction", type=float, default=1 / 3)
     ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks (default: from --pool-fraction)")
-    ap.add_argument("--pin-budget", type=float, default=0.5)
+    ap.add_argument("--pin-budget", type=float, default=0.7)
     ap.add_argument("--aging-s", type=float, default=None, help="HINTFLOW_PRIORITY_AGING_S for hintflow modes")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for the hintflow modes' server (e.g. HINTFLOW_ADMIT_GUARD=0)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("extra", nargs="*", help="further vLLM flags (after --)")
     a = ap.parse_args(argv)
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         programs = builtin_programs(a.programs, rate=a.rate, seed=a.seed)
     else:
         programs = swe_agent_programs(a.programs, rate=a.rate, seed=a.seed, scale=a.scale, pause_scale=a.pause_scale)
+    hint_env = dict(kv.split("=", 1) for kv in a.env)
     state = a.state_dir.resolve()
     state.mkdir(parents=True, exist_ok=True)
     model = (a.model or state / "tiny-model").resolve()
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "scale": a.scale if a.workload == "swe-agent" else None,
                      "expected_live_programs": live, "max_model_len": max_len},
         "num_gpu_blocks": max(blocks, floor), "pool_blocks_wanted": blocks, "pin_budget": a.pin_budget,
-        "aging_s": a.aging_s,
+        "aging_s": a.aging_s, "hint_env": hint_env,
         "modes": {},
     }  # fmt: skip
     for mode in a.modes.split(","):
@@ -189,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["modes"][mode] = run_mode(
             mode, programs, model=model, python=a.python, state=state, num_blocks=report["num_gpu_blocks"],
             max_model_len=max_len, pin_budget=a.pin_budget, extra_args=list(a.extra), aging_s=a.aging_s,
+            hint_env=hint_env,
         )  # fmt: skip
         print(json.dumps({mode: report["modes"][mode]}), file=sys.stderr)
     report["verdict"] = _verdict(report["modes"])

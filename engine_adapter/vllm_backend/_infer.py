@@ -9,7 +9,10 @@ enough to act as Continuum does, with no other process:
   pause; it feeds an orchestrator :class:`PauseModel` per tool name (``"unknown"`` when not given);
 - **pin**: when a turn ends, its context is pinned for Continuum's ``tau*`` (:class:`ContinuumTTL`), with
   the reload cost measured on this engine (seconds per computed token, from its own steps) and the
-  queueing delay of turns whose context was not kept (Continuum's T);
+  queueing delay of turns whose context was not kept (Continuum's T). Continuum's T starts at 0, so no
+  pin pays until evicted turns have queued; here T is at least the engine's current prefill backlog
+  times the measured seconds per token (the wait a turn arriving now would see), so pins start as soon
+  as a queue forms (:class:`_BacklogTTL`);
 - **program FCFS**: a program's requests are dated by when the engine first saw the program;
 - **release**: at the end of a turn flagged ``is_last_turn``, or when a program stays silent for
   :data:`SILENT_FACTOR` times its lease (at least :data:`SILENT_MIN_S`): its blocks go to the front of the
@@ -39,6 +42,24 @@ SILENT_FACTOR = 4.0
 SILENT_MIN_S = 30.0
 """...but never sooner than this: a short lease says little about how long a tool may take."""
 UNKNOWN_TOOL = "unknown"
+
+
+class _BacklogTTL(ContinuumTTL):
+    """Continuum's rule with T = max(measured mean queueing delay of evicted turns, ``floor_s()``).
+
+    Why: Continuum's T is 0 until evicted turns have been observed queueing, so under a sudden load no
+    pin pays for itself exactly when pins matter most. The floor is a prior from this engine's own
+    measurements: the prefill backlog (waiting and running prompt tokens) times the measured seconds per
+    token, i.e. how long a re-prefilled turn arriving now would queue behind work already here.
+    """
+
+    def __init__(self, *args: Any, floor_s: Callable[[], float] = lambda: 0.0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.floor_s = floor_s
+
+    @property
+    def queue_delay_s(self) -> float:
+        return max(super().queue_delay_s, self.floor_s())
 
 
 def infer_enabled() -> bool:
@@ -73,14 +94,17 @@ class HintInference:
         reload_s_per_token: float | None = None,
         silent_min_s: float = SILENT_MIN_S,
         clock: Callable[[], float] | None = None,
+        backlog_tokens: Callable[[], int] | None = None,
     ) -> None:
         """``reload_s_per_token`` fixes the re-prefill cost (a profile, as Continuum's fit) instead of
-        measuring it; ``silent_min_s`` is the least silence after which a program is released."""
+        measuring it; ``silent_min_s`` is the least silence after which a program is released;
+        ``backlog_tokens()`` (prompt tokens the engine still has to compute) gives T its floor."""
         self.book = book
         self.clock = clock or book.clock
         self.defer_s = defer_s
         self.pauses = PauseModel(min_samples=min_samples, default_mean_s=default_pause_s)
-        self.rule = ContinuumTTL(self.pauses, self.prefill_reload_s)
+        self.backlog_tokens = backlog_tokens
+        self.rule = _BacklogTTL(self.pauses, self.prefill_reload_s, floor_s=self.backlog_s)
         self.programs: dict[str, _Program] = {}
         self.explicit_s: dict[str, float] = {}  # session id -> when it last got a hint over PushHints
         self.s_per_token = reload_s_per_token or 1e-4  # re-prefill cost, refined from this engine's steps
@@ -94,6 +118,10 @@ class HintInference:
     # ---- costs ---------------------------------------------------------------------------------
     def prefill_reload_s(self, context_tokens: int) -> float:
         return self.s_per_token * context_tokens
+
+    def backlog_s(self) -> float:
+        """Seconds of prefill already queued in the engine (T's floor; 0 without a backlog callback)."""
+        return self.s_per_token * self.backlog_tokens() if self.backlog_tokens is not None else 0.0
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A model step of ``tokens`` took ``seconds``: prefill-sized steps refine the reload cost (EWMA)."""

@@ -22,6 +22,14 @@ decision stays vLLM's. What it adds, and where:
   measured pauses; a request without ``session_id`` uses its ``program_id`` as the session.
 - work conservation: before each step, pins of programs younger than the head of the queue are dropped
   (youngest first) until that head fits, so a pin never keeps an older program's turn out of the pool.
+- program admission (``_handle_blocked_waiting_request``, vLLM's per-request "may this waiting request
+  be scheduled in this step" check): the first turn of a program the engine has not yet run is admitted
+  only while the contexts of the programs already in flight, plus its prompt, fit in the pool; it is
+  admitted anyway when the engine would otherwise idle (nothing running, nothing else admissible) or once
+  it has waited ``HINTFLOW_ADMIT_MAX_WAIT_S``. Held-back requests stay in vLLM's waiting queue and the
+  requests behind them are scheduled as usual (vLLM's own skip path).
+- bounded program FCFS: an older program's turn gets at most ``HINTFLOW_PRIORITY_AGING_S`` of head start
+  over a newer arrival, so first turns age instead of starving.
 
 All of it runs under ``self.hint_lock``, which the hint service (another thread) takes too.
 """
@@ -29,6 +37,7 @@ All of it runs under ``self.hint_lock``, which the hint service (another thread)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -49,20 +58,34 @@ log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers pr
 
 PRIORITY_SCALE = 10**12
 """Milliseconds of program age fit below this (31 years), so ``class * scale + ms`` orders by class first."""
+AGING_S = 3.0
+"""Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
+first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
+for 35 s at p99 under overload (README); a few seconds keeps most of FCFS's benefit for returning turns."""
+PIN_BUDGET = 0.7
+"""Default share of the pool pins may hold. 0.5 held ~4 of ~30 live contexts under overload; with the
+admission guard limiting how many programs are in flight, and the yield and deadlock rules returning
+pinned blocks whenever an older turn or any progress needs them, more of the pool can bridge pauses."""
+ADMIT_HORIZON_S = 5.0
+"""A parked program whose context is not pinned still counts as in flight for this long after its turn
+(its tool is probably still running; it will need its context back)."""
 
 
 class HintflowScheduler(Scheduler):  # type: ignore[misc]
     """See the module docstring. Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET, HINTFLOW_NODE_ID,
     HINTFLOW_INFER_HINTS (1), HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference),
     HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_SILENT_S (30),
-    HINTFLOW_PRIORITY_AGING_S (inf: strict program FCFS; else the most head start an older program gets)."""
+    HINTFLOW_PRIORITY_AGING_S (see AGING_S: the most head start an older program's turn gets; inf: strict
+    program FCFS), HINTFLOW_ADMIT_GUARD (1), HINTFLOW_ADMIT_FRACTION (1.0: share of the pool the in-flight
+    contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (the aging, else 3 s),
+    HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hint_lock = threading.RLock()
         pool = self.kv_cache_manager.block_pool
         self.pins_supported = len(self.kv_cache_config.kv_cache_groups) == 1 and pool.enable_caching
-        budget = float(os.environ.get("HINTFLOW_PIN_BUDGET", "0.5"))
+        budget = float(os.environ.get("HINTFLOW_PIN_BUDGET", str(PIN_BUDGET)))
         self.book = SessionBook(pool, pool.num_gpu_blocks - 1, pin_budget_fraction=budget)  # -1: null block
         self._req_session: dict[str, VSession] = {}
         self._client_priority: dict[str, int] = {}
@@ -75,6 +98,7 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
             reload = env("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
             self.infer = HintInference(
                 self.book,
+                backlog_tokens=self.prefill_backlog_tokens,
                 defer_s=float(env("HINTFLOW_INFER_DEFER_S", "60")),
                 reload_s_per_token=float(reload) if reload else None,
                 silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
@@ -83,7 +107,16 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
         self._next_log_s = 0.0
         # Program FCFS gives an older program's turn at most this head start over a newer arrival, so
         # new programs' first turns cannot starve under overload (inf: strict program FCFS).
-        self.aging_s = float(os.environ.get("HINTFLOW_PRIORITY_AGING_S", "inf"))
+        self.aging_s = float(os.environ.get("HINTFLOW_PRIORITY_AGING_S", str(AGING_S)))
+        env_ = os.environ.get
+        self.admit_guard = env_("HINTFLOW_ADMIT_GUARD", "1").strip().lower() not in {"0", "false", "no", "off"}
+        self.admit_fraction = float(env_("HINTFLOW_ADMIT_FRACTION", "1.0"))
+        default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
+        self.admit_max_wait_s = float(env_("HINTFLOW_ADMIT_MAX_WAIT_S", str(default_wait)))
+        self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
+        self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)
+        self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle] for the current step
+        self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
         self.hint_server: HintServer | None = None
         port = os.environ.get("HINTFLOW_HINT_PORT")
         if port:
@@ -142,10 +175,15 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
             if self.infer is not None:
                 self.infer.sweep()
             self._yield_pins_to_older()
-            out = super().schedule(*args, **kwargs)
+            self._admit = self._admission_state() if self.admit_guard and self.waiting else None
+            try:
+                out = super().schedule(*args, **kwargs)
+            finally:
+                self._admit = None
             for new in out.scheduled_new_reqs:
                 s = self._req_session.get(new.req_id)
                 if s is not None:
+                    self._started.add(s.program_id)
                     kept = bool(s.held)
                     self.book.on_admitted(s, new.req_id)
                     req = self.requests.get(new.req_id)
@@ -179,6 +217,65 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
                 break
             free += self.book.drop_pin(x)
 
+    # ---- program admission ----------------------------------------------------------------------------
+    def _is_new_program_turn(self, request: Any) -> bool:
+        """A first turn of a program this engine has not yet run (the only requests admission may hold)."""
+        s = self._req_session.get(request.request_id)
+        return (
+            s is not None
+            and request.num_computed_tokens == 0
+            and request.num_preemptions == 0
+            and s.program_id not in self._started
+        )
+
+    def _admission_state(self) -> list[Any]:
+        """[blocks the in-flight programs' contexts need, whether the engine would idle without new programs].
+
+        In flight: programs with an admitted turn that are still known to the book. Each session counts
+        its live requests' full length, else its pinned blocks, else (parked, unpinned, active within
+        the horizon) its last turn's blocks: the context it will want back.
+        """
+        self._started &= set(self.book.programs)
+        bs, now = self.block_size, self.book.clock()
+        need = 0
+        for pid in self._started:
+            for sid in self.book.programs.get(pid, ()):
+                s = self.book.sessions.get(sid)
+                if s is None or s.released:
+                    continue
+                if s.live:
+                    for rid in s.live:
+                        r = self.requests.get(rid)
+                        need += -(-r.num_tokens // bs) if r is not None else 0
+                elif s.held:
+                    need += len(s.held)
+                elif now - s.last_active_s < self.admit_horizon_s:
+                    need += len(s.snapshot)
+        others = any(not self._is_new_program_turn(r) for r in self.waiting)
+        return [need, not self.running and not others]
+
+    def _handle_blocked_waiting_request(self, request: Any) -> bool:
+        if not super()._handle_blocked_waiting_request(request):
+            return False
+        st = self._admit
+        if st is None or not self._is_new_program_turn(request):
+            return True
+        blocks = -(-request.num_tokens // self.block_size)
+        waited = time.time() - request.arrival_time
+        if st[0] + blocks <= self.admit_fraction * self.book.num_blocks:
+            why = "fit"
+        elif st[1]:
+            why = "idle"  # work conservation: never leave the engine idle while a program waits
+        elif waited >= self.admit_max_wait_s:
+            why = "aged"
+        else:
+            self.admit_stats["held"] += 1
+            return False
+        self.admit_stats[why] += 1
+        st[0] += blocks
+        st[1] = False
+        return True
+
     def _log_stats(self) -> None:
         """Every 10 s: what the pins did (for benchmarks and operators; vLLM's log has the rest)."""
         now = self.book.clock()
@@ -192,10 +289,12 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
                 f" inferred_pins={inf.inferred_pins} inferred_releases={inf.inferred_releases}"
                 f" T={inf.rule.queue_delay_s:.2f}s eta={inf.rule.eta:.2f} reload={inf.s_per_token * 1e6:.0f}us/tok"
             )
+        a = self.admit_stats
         log.info(
-            "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d%s",
+            "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d%s"
+            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d",
             self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
-            st.forced_unpins, st.yielded_pins, extra,
+            st.forced_unpins, st.yielded_pins, extra, len(self._started), a["held"], a["fit"], a["idle"], a["aged"],
         )  # fmt: skip
 
     @staticmethod
