@@ -63,8 +63,18 @@ class HintFlowPolicy(ContinuumPolicy):
         return super()._on_turn_started(ev)
 
     def _on_turn_ended(self, ev: TurnEnded) -> list[HintModel]:
+        """Pin at the turn's end for the tool the graph says comes next (Continuum's moment), so the
+        context is held from the first instant: waiting for the tool to start leaves a gap (the runtime
+        scheduling the tool, tens of ms) in which competing load evicts it.  ToolStarted re-decides."""
         self.tracker.turn_ended(ev.program_id, ev.session_id, ev.now_s)
-        return []
+        tool = self.tracker.likely_next_tool(ev.program_id, ev.session_id)
+        if tool is None:
+            return []
+        pin = self._pin(ev.session_id, lambda: self.ttl.ttl(tool, ev.context_tokens), f"turn-end:{tool}")
+        if pin is None or pin.ttl_s <= 0.0:
+            return []
+        self._parked[ev.session_id].pin_expiry_s = ev.now_s + pin.ttl_s
+        return [pin]
 
     def _on_program_ended(self, ev: ProgramEnded) -> list[HintModel]:
         self.tracker.program_ended(ev.program_id)

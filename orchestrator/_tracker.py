@@ -70,6 +70,14 @@ class ProgramTracker:
         if live is not None:
             self.num_finished[live.workflow] = self.num_finished.get(live.workflow, 0) + 1
 
+    def likely_next_tool(self, program_id: str, session_id: str) -> str | None:
+        """The tool most likely to follow this session's turn, from the learned graph; None if unknown."""
+        live = self._live.get(program_id)
+        if live is None:
+            return None
+        nxt = live.state.graph.most_likely_next(f"llm:{role_of(program_id, session_id)}")
+        return nxt[len("tool:") :] if nxt is not None and nxt.startswith("tool:") else None
+
     def predict(self, program_id: str, session_ids: list[str], now_s: float) -> dict[str, float]:
         """Seconds until each of ``session_ids`` (parked, of this program) is next used; dead ones get
         ``MAX_HORIZON_S``; sessions the graph cannot place are left out (the engine's recency decides)."""
