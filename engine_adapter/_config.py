@@ -48,6 +48,7 @@ class SchedulerSettings(_Section):
     max_num_seqs: int = Field(default=64, ge=1)
     cold_prefill_budget_tokens: int = Field(default=512, ge=0)
     warm_threshold_tokens: int = Field(default=256, ge=0)
+    program_fcfs_aging_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
 
 
 class ModelSettings(_Section):

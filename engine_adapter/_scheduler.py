@@ -63,6 +63,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     cold_prefill_budget_tokens: int = 512
     warm_threshold_tokens: int = 256
+    # Program-level FCFS gives an older program's turns precedence over a newer one's; with aging, that
+    # head start is at most this many seconds, so a young program's first turns cannot wait behind every
+    # older program's later turns.  None: strict program FCFS (Continuum's order).
+    program_fcfs_aging_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -110,11 +114,13 @@ class Request:
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
-    def sort_key(self) -> tuple[int, int, int, float, float, int]:
+    def sort_key(self, aging_s: float | None = None) -> tuple[int, int, int, float, float, int]:
         s = self.session
         pinned = s.pin_deadline_s is not None
         prio = self.priority if self.priority is not None else s.priority_class
         start = s.program_start_s if s.program_start_s is not None else self.arrival_s
+        if aging_s is not None:
+            start = max(start, self.arrival_s - aging_s)
         return (0 if self.preempted else 1, 0 if pinned else 1, prio, start, self.arrival_s, self._seq)
 
 
@@ -144,7 +150,7 @@ class Scheduler:
 
     def _enqueue(self, req: Request) -> None:
         req.state = RequestState.WAITING
-        key = req.sort_key()
+        key = req.sort_key(self.config.program_fcfs_aging_s)
         i = bisect.bisect(self._waiting_keys, key)
         self._waiting_keys.insert(i, key)
         self.waiting.insert(i, req)
@@ -193,7 +199,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         self.kv.tick()
         if self._resort:
-            keyed = sorted(((r.sort_key(), r) for r in self.waiting), key=lambda kr: kr[0])
+            keyed = sorted(
+                ((r.sort_key(self.config.program_fcfs_aging_s), r) for r in self.waiting),
+                key=lambda kr: kr[0],
+            )
             self._waiting_keys = [k for k, _ in keyed]
             self.waiting = [r for _, r in keyed]
             self._resort = False
@@ -201,7 +210,13 @@ class Scheduler:
         for cold in (False, True):
             if cold:  # the cap holds only while warm work shares the step: work-conserving
                 step.cold_left = self.config.cold_prefill_budget_tokens if step.seqs else step.budget
-            order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed > 1, r.sort_key()))
+            order = sorted(
+                self.running,
+                key=lambda r: (
+                    r.num_tokens - r.num_computed > 1,
+                    r.sort_key(self.config.program_fcfs_aging_s),
+                ),
+            )
             for req in order:
                 pending = req.num_tokens - req.num_computed
                 if req.request_id in step.scheduled or req.state is not RequestState.RUNNING:
@@ -226,7 +241,9 @@ class Scheduler:
         toks = req.tokens[req.num_computed : req.num_computed + chunk]
         sample = req.num_computed + chunk == req.num_tokens
         step.seqs.append(
-            ScheduledSeq(req.request_id, toks, req.num_computed, list(req.session.block_ids), sample, len(req.prompt))
+            ScheduledSeq(
+                req.request_id, toks, req.num_computed, list(req.session.block_ids), sample, len(req.prompt)
+            )
         )
         step.scheduled.add(req.request_id)
         step.spend(chunk, cold)
@@ -275,7 +292,11 @@ class Scheduler:
 
     def _preemption_victim(self, exclude: set[str]) -> Request | None:
         candidates = [r for r in self.running if r.request_id not in exclude]
-        return max(candidates, key=lambda r: r.sort_key()) if candidates else None
+        return (
+            max(candidates, key=lambda r: r.sort_key(self.config.program_fcfs_aging_s))
+            if candidates
+            else None
+        )
 
     def _preempt(self, req: Request) -> None:
         """Back to the queue front; its computed KV stays as a parked, evictable context."""

@@ -45,6 +45,7 @@ class DemoConfig:
     arrival_gap_s: float = 0.25
     background_clients: int = 2  # per node
     device_blocks: int = 192  # per node, 16 tokens each: about a third of the live contexts in all
+    fcfs_aging_s: float | None = None  # hintflow nodes: program FCFS with at most this head start
     seed: int = 0
 
 
@@ -58,6 +59,8 @@ async def _run(cfg: DemoConfig, temporal: str | None) -> dict[str, Any]:
                 retain_contexts=mode != "vllm-default",
                 pin_budget_fraction=0.7,
                 name=f"demo-{mode}",
+                # hintflow nodes order by program age with a bounded head start (see SchedulerConfig)
+                program_fcfs_aging_s=None if mode == "vllm-default" else cfg.fcfs_aging_s,
             ) as engines:
                 run = RunConfig(
                     example="coding-agent",

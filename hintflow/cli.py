@@ -405,6 +405,13 @@ def bench(as_json: bool, **kwargs: Any) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--temporal", default=None, help="Use this Temporal frontend instead of starting a dev server.")
 @click.option(
+    "--fcfs-aging",
+    "fcfs_aging_s",
+    type=click.FloatRange(min=0.0),
+    default=None,
+    help="hintflow nodes: cap an older program's head start in the queue at this many seconds.  [default: strict]",
+)
+@click.option(
     "--out",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -419,6 +426,7 @@ def demo(
     time_scale: float,
     seed: int,
     temporal: str | None,
+    fcfs_aging_s: float | None,
     out_dir: Path,
 ) -> None:
     """Coding agents on Temporal and two engine nodes: vLLM-like behaviour, then with hints; side by side."""
@@ -427,7 +435,14 @@ def demo(
     from hintflow._demo import DemoConfig, format_table, run_demo, write_plots
 
     logging.basicConfig(level=logging.WARNING)
-    cfg = DemoConfig(programs=programs, turns=turns, num_nodes=num_nodes, time_scale=time_scale, seed=seed)
+    cfg = DemoConfig(
+        programs=programs,
+        turns=turns,
+        num_nodes=num_nodes,
+        time_scale=time_scale,
+        seed=seed,
+        fcfs_aging_s=fcfs_aging_s,
+    )
     click.echo(
         f"starting Temporal and {num_nodes} torch engine nodes; {programs} coding-agent programs x {turns} turns, "
         "once without hints and once with (a few minutes on 2 cores)...",

@@ -65,7 +65,9 @@ def test_program_fcfs_priority_orders_the_queue() -> None:
 
 
 def test_cold_prefill_budget_lets_warm_resume_through() -> None:
-    core = make_core(blocks=200, max_num_batched_tokens=256, cold_prefill_budget_tokens=64, warm_threshold_tokens=32)
+    core = make_core(
+        blocks=200, max_num_batched_tokens=256, cold_prefill_budget_tokens=64, warm_threshold_tokens=32
+    )
     rng = random.Random(3)
     warm_prompt = rand_tokens(rng, 100)
     r0 = core.submit(warm_prompt, 1, session_id="warm")
@@ -179,3 +181,34 @@ def test_evicting_a_shared_block_keeps_the_host_copy_behind_it() -> None:
     assert rb2.num_recomputed_tokens == 0
     assert rb2.num_cached_tokens + rb2.num_host_hit_tokens >= 4 * 16
     core.check_invariants()
+
+
+@pytest.mark.parametrize(("aging_s", "first"), [(None, "old"), (3.0, "young")])
+def test_program_fcfs_aging_bounds_an_old_programs_head_start(aging_s: float | None, first: str) -> None:
+    """An old program (started at t=0) and a young one (t=10) queue turns; the old one's turn arrived at
+    t=14.  Strict program FCFS serves the old program first; with 3 s aging its head start over a turn
+    that has waited since t=10 is capped, so the young program's turn goes first."""
+    ex = make_torch_executor(num_device_blocks=64)
+    clock = VirtualClock()
+    core = EngineCore(
+        ex, clock=clock, scheduler_config=SchedulerConfig(max_num_seqs=1, program_fcfs_aging_s=aging_s)
+    )
+    rng = random.Random(10)
+    for sid in ("old", "young"):
+        core.submit(rand_tokens(rng, 8), 1, session_id=sid, program_id=sid)
+    core.run_until_idle()
+    order: list[str] = []
+
+    def note(req: Request, toks: list[int], done: bool) -> None:
+        if done:
+            order.append(req.session.session_id)
+
+    clock.advance_to(10.0)
+    core.apply_hints(
+        [Priority(session_id="old", program_age_s=10.0), Priority(session_id="young", program_age_s=0.0)]
+    )
+    core.submit(rand_tokens(rng, 8), 1, session_id="young", on_event=note)
+    clock.advance_to(14.0)
+    core.submit(rand_tokens(rng, 8), 1, session_id="old", on_event=note)
+    core.run_until_idle()
+    assert order[0] == first
