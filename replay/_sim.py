@@ -9,7 +9,7 @@ hint policy the way the live runtime (``workflows/_runtime.py``) feeds them, so 
 * ``ToolEnded`` is reported when the next turn (or the program's end) starts: the pause a pin must cover is
   the whole time the context sits idle;
 * Continuum's T comes from the queue wait of turns that recomputed tokens; ``PrefillReload`` is learned
-  from the nodes' answers (``_PrefillEstimator``), with the cost model as its prior;
+  from the nodes' answers (``orchestrator._prefill.PrefillEstimator``, as live), with the cost model as its prior;
 * hints go to the node holding the session (all nodes when unknown); ``Release`` goes to every node.
 
 Determinism: the heap breaks time ties by insertion order and nothing reads the wall clock, so a trace,
@@ -22,7 +22,7 @@ import functools
 import heapq
 import itertools
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +40,7 @@ from orchestrator import (
     TurnStarted,
     get_policy,
 )
+from orchestrator._prefill import PrefillEstimator
 from orchestrator._router import Router, RouteRequest
 from replay._nodes import NodeSpec, SimNode, build_nodes
 from replay._policies import ReplayConfig
@@ -47,24 +48,6 @@ from replay._prompts import PromptBuilder
 from replay._runs import ProgramRun, SessionRun, TurnRecord
 
 __all__ = ["SimResult", "Simulation"]
-
-
-class _PrefillEstimator:
-    """Seconds per re-prefilled token, learned from finished turns (the live runtime's PrefillEstimator,
-    duplicated so replay does not import Temporal; see the report's recommendation to share it)."""
-
-    def __init__(self, prior: Callable[[int], float], window: int = 64, min_samples: int = 4) -> None:
-        self.prior, self.min_samples = prior, min_samples
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
-
-    def observe(self, num_prefilled: int, prefill_s: float) -> None:
-        if num_prefilled >= 32 and prefill_s >= 0.0:
-            self._samples.append((num_prefilled, prefill_s))
-
-    def reload_s(self, context_tokens: int) -> float:
-        if len(self._samples) < self.min_samples:
-            return float(self.prior(context_tokens))
-        return sum(t for _, t in self._samples) / sum(n for n, _ in self._samples) * context_tokens
 
 
 @dataclass
@@ -85,15 +68,25 @@ class SimResult:
 class Simulation:
     """One configuration over one list of programs; ``run()`` once."""
 
-    def __init__(self, programs: Sequence[ProgramRun | Any], config: ReplayConfig, spec: NodeSpec, *,
-                 num_nodes: int = 2, seed: int = 0, tick_s: float = 0.05, watch_interval_s: float = 0.5,
-                 sample_interval_s: float = 1.0, progress: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        programs: Sequence[ProgramRun | Any],
+        config: ReplayConfig,
+        spec: NodeSpec,
+        *,
+        num_nodes: int = 2,
+        seed: int = 0,
+        tick_s: float = 0.05,
+        watch_interval_s: float = 0.5,
+        sample_interval_s: float = 1.0,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         self.config, self.spec, self.tick_s = config, spec, tick_s
         self.clock = VirtualClock()
         self.nodes = build_nodes(num_nodes, spec, config, self.clock)
         self.by_address = {n.address: n for n in self.nodes}
         cm = spec.cost_model
-        self.prefill = _PrefillEstimator(cm.prefill_reload_s)
+        self.prefill = PrefillEstimator(cm.prefill_reload_s)
         host_reload = None
         if config.host_tier:
             per_token_s = cm.copy_per_block_s / cm.block_size
@@ -101,8 +94,11 @@ class Simulation:
         self.policy: HintPolicy = get_policy(
             config.hint_policy, prefill_reload=self.prefill.reload_s, host_reload=host_reload
         )
-        self.router = Router(cm.prefill_time, policy=config.routing,
-                             host_reload_s_per_token=cm.copy_per_block_s / cm.block_size)
+        self.router = Router(
+            cm.prefill_time,
+            policy=config.routing,
+            host_reload_s_per_token=cm.copy_per_block_s / cm.block_size,
+        )
         self.watch_interval_s, self.sample_interval_s = watch_interval_s, sample_interval_s
         self.prompts = PromptBuilder(spec.vocab_size, seed)
         self.runs = [p if isinstance(p, ProgramRun) else ProgramRun.of(p) for p in programs]
@@ -147,19 +143,36 @@ class Simulation:
             num_events += 1
         if self._num_done < len(self.runs):
             stuck = [r.program.program_id for r in self.runs if r.end_s is None][:5]
-            raise RuntimeError(f"{self.config.name}: replay stalled at {self.now:.3f} s with programs "
-                               f"unfinished, e.g. {stuck}")
+            raise RuntimeError(
+                f"{self.config.name}: replay stalled at {self.now:.3f} s with programs "
+                f"unfinished, e.g. {stuck}"
+            )
         for node in self.nodes:
             node.account(self.now)
         self._sample()
-        return SimResult(self.config, self.turns, self.runs, self.memory, self.nodes,
-                         time.perf_counter() - wall0, self.now, num_events)
+        return SimResult(
+            self.config,
+            self.turns,
+            self.runs,
+            self.memory,
+            self.nodes,
+            time.perf_counter() - wall0,
+            self.now,
+            num_events,
+        )
 
     def _sample(self) -> None:
         for n in self.nodes:
             kv, bs = n.engine.kv, n.block_size
-            self.memory.append((self.now, n.address, (kv.device.num_blocks - kv.device.num_free_blocks) * bs,
-                                kv.num_pinned_blocks * bs, (kv.host.num_blocks - kv.host.num_free_blocks) * bs))
+            self.memory.append(
+                (
+                    self.now,
+                    n.address,
+                    (kv.device.num_blocks - kv.device.num_free_blocks) * bs,
+                    kv.num_pinned_blocks * bs,
+                    (kv.host.num_blocks - kv.host.num_free_blocks) * bs,
+                )
+            )
         self._next_sample_s = self.now + self.sample_interval_s
 
     # ---- policy and hints ----------------------------------------------------------------------------
@@ -232,8 +245,9 @@ class Simulation:
         address = node.address if node is not None else self._route(s, len(prompt), turn)
         s.node = address
         target = self.by_address[address]
-        s.request = target.engine.submit(prompt, max(1, turn.output_tokens), session_id=s.key,
-                                         program_id=s.run.program.program_id)
+        s.request = target.engine.submit(
+            prompt, max(1, turn.output_tokens), session_id=s.key, program_id=s.run.program.program_id
+        )
         s.prompt = prompt
         target.kick(self.now, self.at, self._step_end)
         self.feed(TurnStarted(s.run.program.program_id, s.key, self.now, len(prompt)))
@@ -245,8 +259,9 @@ class Simulation:
             for n in self.nodes:
                 self.router.update(n.address, n.engine.cache_state(include_sessions=True), self.now)
             self._routed_s = self.now
-        req = RouteRequest(s.key, s.run.program.program_id, num_tokens, turn.shared_prefix,
-                           turn.shared_prefix_tokens)
+        req = RouteRequest(
+            s.key, s.run.program.program_id, num_tokens, turn.shared_prefix, turn.shared_prefix_tokens
+        )
         decision = self.router.choose(req, self.now)
         if decision.moved_from is not None:
             self.by_address[decision.moved_from].engine.apply_hints([Pin(session_id=s.key, ttl_s=0.0)])
