@@ -23,9 +23,6 @@ from replay._readers import (
     read_trie,
     read_workload,
 )
-from replay._report import REQUIRED_KEYS, metrics, render_table, report_json, write_plots
-from replay._setup import WORKLOAD_DEFAULTS, ReplaySetup, estimate_live_context_tokens, run_replay
-from replay._sim import SimResult, Simulation
 from replay._trace import JOIN_KINDS, JoinKind, Program, Session, TraceError, Turn, scale_tokens
 
 __all__ = [
@@ -73,8 +70,26 @@ __all__ = [
 ]
 
 
+# The harness (engine schedulers, cost models, plots) loads on first use, so that importing the trace
+# format, or starting the `hintflow` command line, does not pay for it.
+_LAZY = {
+    **dict.fromkeys(
+        ["REQUIRED_KEYS", "metrics", "render_table", "report_json", "write_plots"], "replay._report"
+    ),
+    **dict.fromkeys(
+        ["WORKLOAD_DEFAULTS", "ReplaySetup", "estimate_live_context_tokens", "run_replay"], "replay._setup"
+    ),
+    **dict.fromkeys(["SimResult", "Simulation"], "replay._sim"),
+}
+
+
 def __getattr__(name: str) -> object:
     """``replay_command`` imports click only when asked for (the library API does not need it)."""
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
     if name == "replay_command":
         from replay._cli import replay_command
 

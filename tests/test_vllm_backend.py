@@ -21,7 +21,6 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -33,6 +32,7 @@ from typing import Any
 import grpc
 import pytest
 
+from engine_adapter.vllm_backend._serve import find_vllm_python  # no vLLM import: safe here
 from hints import (
     CacheState,
     EvictionOrder,
@@ -53,22 +53,7 @@ from hints import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _vllm_python() -> str | None:
-    """A Python that imports vLLM (see the module docstring), or None."""
-    candidates = [
-        os.environ.get("HINTFLOW_VLLM_PYTHON", ""),
-        str(REPO / ".venv-vllm" / "bin" / "python"),
-        sys.executable,
-    ]
-    for py in candidates:
-        if py and Path(py).exists():
-            r = subprocess.run([py, "-c", "import vllm"], capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
-                return py
-    return None
-
-
-VLLM_PYTHON = _vllm_python()
+VLLM_PYTHON = find_vllm_python()
 if VLLM_PYTHON is None:
     pytest.skip(
         "no Python with vLLM: run scripts/install.sh vllm (creates .venv-vllm) or set HINTFLOW_VLLM_PYTHON",

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 
+from engine_adapter.vllm_backend._serve import find_vllm_python  # no vLLM import: safe here
 from hints import (
     CacheState,
     HintAck,
@@ -41,22 +41,7 @@ from hints import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _vllm_python() -> str | None:
-    """A Python that imports vLLM: $HINTFLOW_VLLM_PYTHON, else .venv-vllm, else this one; or None."""
-    candidates = [
-        os.environ.get("HINTFLOW_VLLM_PYTHON", ""),
-        str(REPO / ".venv-vllm" / "bin" / "python"),
-        sys.executable,
-    ]
-    for py in candidates:
-        if py and Path(py).exists():
-            r = subprocess.run([py, "-c", "import vllm"], capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
-                return py
-    return None
-
-
-VLLM_PYTHON = _vllm_python()
+VLLM_PYTHON = find_vllm_python()
 if VLLM_PYTHON is None:
     pytest.skip(
         "no Python with vLLM: run scripts/install.sh vllm (creates .venv-vllm) or set HINTFLOW_VLLM_PYTHON",
@@ -123,7 +108,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     root = tmp_path_factory.mktemp("vllm-infer")
     model = root / "model"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([VLLM_PYTHON, "-m", "hintflow", "make-tiny-model", str(model)], check=True, timeout=300, env=env)
+    subprocess.run(
+        [VLLM_PYTHON, "-m", "hintflow", "make-tiny-model", str(model)], check=True, timeout=300, env=env
+    )
     http_port, hint_port = _free_port(), _free_port()
     flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
              "--num-gpu-blocks-override", "32"]  # fmt: skip

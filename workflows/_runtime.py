@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +48,10 @@ from workflows._publisher import HintPublisher
 __all__ = ["EngineUnavailable", "HintRuntime", "InvalidPrompt", "ProgramStats"]
 
 logger = logging.getLogger(__name__)
+
+
+MAX_PROGRAMS = 10_000  # finished programs (and sessions) whose stats are kept for reports
+MAX_EVENTS = 100_000
 
 
 class EngineUnavailable(RuntimeError):
@@ -109,13 +113,14 @@ class HintRuntime:
         self.tick_s = tick_s
         self.watch_interval_s = watch_interval_s
         self.registry = registry if registry is not None else CollectorRegistry()
+        # Reports keep the most recent programs only: a worker runs for weeks.
         self.programs: dict[str, ProgramStats] = {}
         self.sessions: dict[str, _SessionInfo] = {}
-        self.events: list[Any] = []  # every event fed to the policy, for tests and reports
+        self.events: deque[Any] = deque(maxlen=MAX_EVENTS)  # recent events fed to the policy
         # per session, per turn: was a pin we placed still live when the turn started ("held"), had it
         # lapsed ("expired"), or was there none ("none")
         self.pin_outcomes: dict[str, list[str]] = {}
-        self._pin_deadline_at_send: dict[str, float] = {}
+        self._pin_deadline_at_send: dict[tuple[str, str], float] = {}  # (session, reason): two pins may be in flight
         self._m_hints = Counter(
             "hintflow_hints_emitted_total",
             "Hints the policy produced, by kind",
@@ -268,6 +273,14 @@ class HintRuntime:
         self._feed(ProgramEnded(program_id, time.monotonic(), p.num_turns))
         for sid in [sid for sid, s in self.sessions.items() if s.program_id == program_id]:
             del self.sessions[sid]
+        self._trim_history()
+
+    def _trim_history(self) -> None:
+        finished = [pid for pid, st in self.programs.items() if st.status != "running"]
+        for pid in finished[: max(0, len(self.programs) - MAX_PROGRAMS)]:
+            del self.programs[pid]
+        for sid in list(self.pin_outcomes)[: max(0, len(self.pin_outcomes) - MAX_PROGRAMS)]:
+            del self.pin_outcomes[sid]
 
     def _feed(self, event: Any) -> None:
         kind = type(event).__name__
@@ -307,7 +320,7 @@ class HintRuntime:
                 if isinstance(h, Pin) and h.ttl_s > 0.0:
                     # The node's lease runs from receipt, never before now: now + ttl is a lower bound of
                     # its deadline, so "held" in the stats is never claimed for a pin the node let go.
-                    self._pin_deadline_at_send[sid] = time.monotonic() + h.ttl_s
+                    self._pin_deadline_at_send[(sid, h.reason)] = time.monotonic() + h.ttl_s
                 for addr in self._nodes_for(sid):
                     per_node[addr].append(h)
         if not self._started:
@@ -323,6 +336,7 @@ class HintRuntime:
             h = hints[r.index]
             if not isinstance(h, Pin):
                 continue
+            sent_deadline = self._pin_deadline_at_send.pop((h.session_id, h.reason), now + h.ttl_s)
             s = self.sessions.get(h.session_id)
             if s is None:
                 continue
@@ -330,7 +344,7 @@ class HintRuntime:
                 s.pin_deadline_s = None
             elif r.ok:
                 self._program(s.program_id).pins_placed += 1
-                s.pin_deadline_s = self._pin_deadline_at_send.pop(h.session_id, now + h.ttl_s)
+                s.pin_deadline_s = sent_deadline
 
     # ---- model calls --------------------------------------------------------------------------------
     async def generate(self, program_id: str, inp: LLMInput) -> LLMResult:

@@ -27,9 +27,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_adapter._kv_manager import PinResult  # the embedded engine's answer to a pin, shared
+
 from ._free_queue import Block, place_by_next_use
 
-__all__ = ["PinGrant", "SessionBook", "VSession"]
+__all__ = ["PinResult", "SessionBook", "VSession"]
 
 IDLE_FORGET_S = 3600.0
 """A session with no request, pin or hint for this long is forgotten (its blocks are vLLM's again)."""
@@ -72,17 +74,6 @@ class VSession:
                 break
             n += 1
         return max(n, len(self.held))
-
-
-@dataclass
-class PinGrant:
-    pinned_blocks: int
-    requested_blocks: int
-    deferred: bool = False
-
-    @property
-    def clamped(self) -> bool:
-        return self.pinned_blocks < self.requested_blocks and not self.deferred
 
 
 @dataclass
@@ -172,16 +163,16 @@ class SessionBook:
             self._forget(s)
 
     # ---- pins ----------------------------------------------------------------------------------
-    def set_pin(self, s: VSession, ttl_s: float) -> PinGrant:
+    def set_pin(self, s: VSession, ttl_s: float) -> PinResult:
         if ttl_s <= 0:
             s.pin_deadline_s = None
             self._unpin(s)
-            return PinGrant(0, 0)
+            return PinResult(0, 0)
         s.pin_deadline_s = self.clock() + ttl_s
         s.pin_seq = next(self._seq)
         heapq.heappush(self._expiry, (s.pin_deadline_s, s.pin_seq, s.session_id))
         if s.live:
-            return PinGrant(0, len(s.snapshot), deferred=True)  # applies when the running turn ends
+            return PinResult(0, len(s.snapshot), deferred=True)  # applies when the running turn ends
         return self._grant(s, [b for b, _ in s.snapshot], already_referenced=False, hashes=s.snapshot)
 
     def _grant(
@@ -191,7 +182,7 @@ class SessionBook:
         *,
         already_referenced: bool,
         hashes: Sequence[tuple[Block, Any]] | None = None,
-    ) -> PinGrant:
+    ) -> PinResult:
         """Hold up to the pin budget of ``prefix``; re-acquire (touch) blocks the book does not yet own."""
         held_ids = {b.block_id for b in s.held}
         for idx, b in enumerate(prefix):
@@ -205,7 +196,7 @@ class SessionBook:
                 self.pool.touch([b])  # vLLM's prefix-hit path: out of the free queue, ref_cnt + 1
             self._pin_count[b.block_id] = self._pin_count.get(b.block_id, 0) + 1
             s.held.append(b)
-        grant = PinGrant(len(s.held), len(prefix))
+        grant = PinResult(len(s.held), len(prefix))
         if grant.clamped:
             self.stats.pin_clamps += 1
         return grant
@@ -290,7 +281,9 @@ class SessionBook:
     def place_by_next_use(self, sessions: Sequence[VSession]) -> int:
         """Reorder the free queue for these hinted sessions (``_free_queue.place_by_next_use``)."""
         now = self.clock()
-        hinted = [(x.next_use_deadline_s - now, x.snapshot) for x in sessions if x.next_use_deadline_s is not None]
+        hinted = [
+            (x.next_use_deadline_s - now, x.snapshot) for x in sessions if x.next_use_deadline_s is not None
+        ]
         return place_by_next_use(self.pool.free_block_queue, hinted)
 
     def _forget(self, s: VSession) -> None:
