@@ -54,7 +54,6 @@ class SimNode:
     busy: bool = False
     num_steps: int = 0
     num_blocked_polls: int = 0
-    num_deadlock_unpins: int = 0
     poll_s: float = 0.05
     pinned_token_s: float = 0.0  # integral of pinned tokens over virtual time
     _last_account_s: float = 0.0
@@ -85,11 +84,6 @@ class SimNode:
         self.account(now)
         if batch.is_empty():  # queued work that cannot be admitted yet (memory held by pins): poll,
             self.num_blocked_polls += 1  # as the serving loop does when idle with work waiting
-            if not eng.scheduler.running and eng.kv.force_unpin_latest():
-                # Engine gap, worked around here: the scheduler applies its deadlock rule (unpin the
-                # latest program) only for a running request; a queue head blocked by the pin of a
-                # *queued* session (whose lease never expires while it waits) would wait forever.
-                self.num_deadlock_unpins += 1
             schedule(now + self.poll_s, lambda: self._start(schedule, on_step_end))
             return
         out = eng.executor.execute(batch)
