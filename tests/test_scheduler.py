@@ -92,6 +92,27 @@ def test_cold_prefill_uses_whole_budget_when_alone() -> None:
     assert req.num_computed == 256  # work-conserving: no cap when nothing else runs
 
 
+def test_capped_cold_prefill_reserves_its_prompt_and_never_preempts() -> None:
+    # 40 blocks x 16 = 640 tokens: two 400-token cold prompts cannot both fit.  Chunk by chunk (64 per
+    # step while warm work shares the step), both would start and the later one would preempt the
+    # earlier half-way; reserved at admission, the second waits until the first is done.
+    core = make_core(
+        blocks=40, max_num_batched_tokens=256, cold_prefill_budget_tokens=64, warm_threshold_tokens=32
+    )
+    rng = random.Random(5)
+    warm = core.submit(rand_tokens(rng, 40), 30, session_id="warm")  # decodes while the cold prompts run
+    core.step()
+    a = core.submit(rand_tokens(rng, 400), 1, session_id="a")
+    b = core.submit(rand_tokens(rng, 400), 1, session_id="b")
+    core.step()
+    assert len(a.session.block_ids) * 16 >= 400  # the whole prompt, although only a 64-token chunk ran
+    assert a.num_computed <= 64
+    core.run_until_idle()
+    assert core.scheduler.num_preemptions == 0
+    assert a.output and b.output and len(warm.output) == 30
+    core.check_invariants()
+
+
 def test_preemption_when_running_request_cannot_grow() -> None:
     core = make_core(blocks=12)  # 12 blocks x 16 tokens = 192 tokens
     rng = random.Random(4)
