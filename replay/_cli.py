@@ -1,4 +1,4 @@
-"""``hintflow replay``: every policy side by side on one workload, on the modeled executor's virtual time.
+"""``hintflow replay``: every policy side by side on one workload, on virtual time over modeled or torch nodes.
 
 Thin by design: options become a ``ReplaySetup`` and a list of ``ReplayConfig``; ``run_replay`` does the
 work; ``_report`` prints, writes and draws.  Registered on the main group by ``hintflow/cli.py``.
@@ -41,7 +41,10 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 @click.option("--policy", "-p", "policies", default="all", show_default=True,
               help=f"comma-separated: {', '.join(REPLAY_CONFIGS)}")
 @click.option("--nodes", "num_nodes", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--executor", type=click.Choice(["modeled", "torch"]), default="modeled", show_default=True)
+@click.option("--executor", type=click.Choice(["modeled", "torch"]), default="modeled", show_default=True,
+              help="modeled: steps priced by the cost model; torch: the tiny torch model computes every step "
+                   "on this CPU and a step lasts its measured wall time (defaults: cpu-tiny, 16-token "
+                   "blocks, 40 programs, a fifth of the modeled token scale)")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Poisson program arrivals per second [workload default; a trace's own times for files]")
 @click.option("--programs", "num_programs", type=click.IntRange(min=1), default=None,
@@ -50,13 +53,15 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
               help="device KV per node [a third of the live programs' contexts per node]")
 @click.option("--host-capacity-tokens", type=click.IntRange(min=0), default=None,
               help="host KV memory per node, for the policies that use one [all live contexts]")
-@click.option("--cost-model", default="h100-llama3-8b", show_default=True,
-              help="bundled profile name (cpu-tiny, h100-llama3-8b, a100-llama3-8b) or a JSON file")
-@click.option("--block-size", type=click.IntRange(min=1), default=128, show_default=True,
-              help="KV block size of the replayed nodes (copy cost rescaled)")
+@click.option("--cost-model", default=None,
+              help="bundled profile name (cpu-tiny, h100-llama3-8b, a100-llama3-8b) or a JSON file "
+                   "[h100-llama3-8b; cpu-tiny with --executor torch]")
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="KV block size of the replayed nodes (copy cost rescaled) [128; 16 with --executor torch]")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="multiply every token count [workload default: 0.25 for swe-agent, else 1]")
+              help="multiply every token count [workload default: 0.25 for swe-agent, else 1; with "
+                   "--executor torch 0.05 for swe-agent, 0.2 for multi-agent and human-in-loop]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, writable=True), default=None,
               help="write the report as JSON here")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
@@ -64,21 +69,19 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 @click.option("--progress/--no-progress", default=True, show_default=True, help="tqdm bar per policy")
 def replay_command(workload: str, policies: str, num_nodes: int, executor: str, rate: float | None,
                    num_programs: int | None, kv_capacity_tokens: int | None, host_capacity_tokens: int | None,
-                   cost_model: str, block_size: int, seed: int, scale: float | None, json_out: str | None,
+                   cost_model: str | None, block_size: int | None, seed: int, scale: float | None, json_out: str | None,
                    plots_dir: str | None, progress: bool) -> None:
     """Replay an agent workload under each policy and print the side-by-side table."""
-    from replay._report import dump_json, render_table, report_json, write_plots
+    from replay._report import dump_json, render_table, report_json, step_time_check, write_plots
     from replay._setup import ReplaySetup, run_replay
 
-    if executor == "torch":
-        raise click.UsageError("--executor torch is not implemented yet; use --executor modeled")
     try:
         configs = parse_policy_list(policies)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--policy") from None
     setup = ReplaySetup(workload=workload, num_programs=num_programs, rate=rate, num_nodes=num_nodes,
                         kv_capacity_tokens=kv_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
-                        cost_model=cost_model, seed=seed, scale=scale, block_size=block_size)
+                        cost_model=cost_model, seed=seed, scale=scale, block_size=block_size, executor=executor)
     t0 = time.perf_counter()
     try:
         setup, results = run_replay(setup, configs, progress=_tqdm_progress(progress))
@@ -88,10 +91,14 @@ def replay_command(workload: str, policies: str, num_nodes: int, executor: str, 
     report = report_json(setup, results)
     report["config"]["wall_s"] = wall_s
     n = len(results[0].programs)
-    click.echo(f"{workload}: {n} programs, {num_nodes} node(s), device KV {setup.kv_capacity_tokens:,} "
-               f"tokens/node, host {setup.host_capacity_tokens:,} tokens/node, {cost_model}, "
+    steps = "torch nodes, measured step times" if executor == "torch" else "modeled executor"
+    click.echo(f"{workload}: {n} programs, {num_nodes} node(s), {steps}, token scale {setup.scale:g}, "
+               f"{setup.block_size}-token blocks, device KV {setup.kv_capacity_tokens:,} tokens/node, "
+               f"host {setup.host_capacity_tokens:,} tokens/node, cost model {setup.cost_model}, "
                f"{wall_s:.1f} s wall")
     click.echo(render_table(report))
+    if executor == "torch":
+        click.echo(step_time_check(report))
     if json_out:
         dump_json(report, json_out)
         click.echo(f"JSON: {json_out}")

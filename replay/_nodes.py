@@ -1,4 +1,4 @@
-"""Engine nodes on one virtual clock: each an unmodified ``EngineCore`` with a modeled executor.
+"""Engine nodes on one virtual clock: each an unmodified ``EngineCore`` with a modeled or a torch executor.
 
 Why one shared ``VirtualClock`` rather than a clock per node: every hint, submit and pin lease is stamped
 by the node's own clock, and the simulator moves that clock to the time of each event before handling it,
@@ -7,42 +7,54 @@ that ``EngineCore.step()`` advances a virtual clock by the step's modeled time i
 node's step move every node's time.  So a step is run in two events, as the serving engine's thread does
 (schedule, then execute without the lock while hints and submits keep arriving, then update):
 
-    t          step start: ``scheduler.schedule()`` and ``executor.execute()`` (priced, not computed)
+    t          step start: ``scheduler.schedule()`` and ``executor.execute()``
     t+elapsed  step end:   ``scheduler.update()``: tokens committed, finished requests reported at t+elapsed
 
 Between the two, hints and new requests reach the node at their own times, exactly as they would reach a
 serving node mid-step.  The node is otherwise the real one: scheduler, KV manager, pins, eviction, host tier.
+
+``elapsed`` is where the executors differ.  The modeled one prices the batch with the cost model and
+computes nothing.  The torch one (``NodeSpec.executor == "torch"``) computes it: real prefill and decode
+over the paged KV tensors, real host<->device block copies, greedy tokens from real logits; ``elapsed`` is
+then the wall time of ``execute`` (``time.perf_counter`` around it), so the step lasts on the virtual clock
+what it took on this machine.  Only the executor's work is on the clock: the scheduler's own Python time
+is not, for either executor (a serving engine overlaps some of it; the modeled executor never saw it).
+For the torch nodes each step is also priced by the cost model (``SimNode.modeled_step_s``), which checks
+the model against the measured time of the very same batches.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_adapter._cost_model import CostModel
 from engine_adapter._engine import EngineCore
-from engine_adapter._executor import ScheduledBatch, StepOutput, VirtualClock
+from engine_adapter._executor import Executor, ScheduledBatch, StepOutput, VirtualClock
 from engine_adapter._modeled_executor import ModeledExecutor
 from engine_adapter._scheduler import Request, SchedulerConfig
 from replay._policies import ReplayConfig
 
-__all__ = ["NodeSpec", "SimNode", "build_nodes"]
+__all__ = ["NodeSpec", "SimNode", "build_nodes", "make_executor"]
 
 Schedule = Callable[[float, Callable[[], None]], None]  # (at time, action): the simulator's event queue
 
 
 @dataclass(frozen=True, slots=True)
 class NodeSpec:
-    """What every node of one replay shares: pool sizes (tokens), cost model, batch limits."""
+    """What every node of one replay shares: pool sizes (tokens), cost model, batch limits, executor."""
 
     num_device_tokens: int
     num_host_tokens: int
     cost_model: CostModel
     vocab_size: int = 512
-    max_model_len: int = 1 << 20
+    max_model_len: int = 1 << 20  # torch: also the length of the model's RoPE tables, so keep it tight
     max_num_seqs: int = 64
     cold_prefill_fraction: float = 0.25  # of the step budget, when the config caps cold prefills
+    executor: str = "modeled"  # "modeled": steps priced by cost_model; "torch": computed and timed
+    torch_device: str = "cpu"  # where torch nodes compute (cpu-tiny describes this machine's CPU)
 
 
 @dataclass(eq=False)
@@ -51,9 +63,14 @@ class SimNode:
 
     address: str
     engine: EngineCore
+    cost_model: CostModel
     busy: bool = False
     num_steps: int = 0
     num_blocked_polls: int = 0
+    measured: bool = False  # torch: a step lasts its measured wall time, not the executor's own figure
+    step_s: float = 0.0  # virtual time spent in steps (the sum of every step's elapsed)
+    modeled_step_s: float = 0.0  # what the cost model prices the same steps at
+    num_step_tokens: int = 0  # tokens the executor ran forward (prefill chunks and decodes)
     poll_s: float = 0.05
     pinned_token_s: float = 0.0  # integral of pinned tokens over virtual time
     _last_account_s: float = 0.0
@@ -86,9 +103,14 @@ class SimNode:
             self.num_blocked_polls += 1  # as the serving loop does when idle with work waiting
             schedule(now + self.poll_s, lambda: self._start(schedule, on_step_end))
             return
+        t0 = time.perf_counter()
         out = eng.executor.execute(batch)
+        elapsed = time.perf_counter() - t0 if self.measured else out.elapsed_s
         self.num_steps += 1
-        schedule(now + out.elapsed_s, lambda: self._end(batch, out, on_step_end))
+        self.num_step_tokens += batch.num_tokens
+        self.step_s += elapsed
+        self.modeled_step_s += self.cost_model.step_time(batch) if self.measured else out.elapsed_s
+        schedule(now + elapsed, lambda: self._end(batch, out, on_step_end))
 
     def _end(self, batch: ScheduledBatch, out: StepOutput, on_step_end: Callable[[SimNode], None]) -> None:
         eng = self.engine
@@ -111,13 +133,13 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=spec.max_num_seqs,
                             cold_prefill_budget_tokens=cold)
     num_host_blocks = math.ceil(spec.num_host_tokens / bs) if config.host_tier else 0
+    num_device_blocks = math.ceil(spec.num_device_tokens / bs)
     nodes = []
     for i in range(num_nodes):
-        executor = ModeledExecutor(cm, math.ceil(spec.num_device_tokens / bs), num_host_blocks,
-                                   vocab_size=spec.vocab_size, max_model_len=spec.max_model_len, seed=i)
+        executor = make_executor(spec, num_device_blocks, num_host_blocks, seed=i)
         engine = EngineCore(executor, clock=clock, scheduler_config=sched, eviction_policy=config.eviction_policy,
                             retain_contexts=config.retain_contexts, node_id=f"node-{i}")
-        node = SimNode(f"node-{i}", engine)
+        node = SimNode(f"node-{i}", engine, cm, measured=spec.executor == "torch")
 
         def finish(req: Request, node: SimNode = node) -> None:
             node.finished.append(req)
@@ -125,3 +147,22 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
         engine.scheduler.on_finish = finish
         nodes.append(node)
     return nodes
+
+
+def make_executor(spec: NodeSpec, num_device_blocks: int, num_host_blocks: int, *, seed: int) -> Executor:
+    """One node's executor: modeled (``seed`` varies its pseudo-random tokens per node) or torch.
+
+    Every torch node holds the same model (weights seeded 0, as in ``cpu-tiny``'s profile) at the cost
+    model's block size, so a KV block means the same on every node and in the profile.
+    """
+    cm = spec.cost_model
+    if spec.executor == "modeled":
+        return ModeledExecutor(cm, num_device_blocks, num_host_blocks, vocab_size=spec.vocab_size,
+                               max_model_len=spec.max_model_len, seed=seed)
+    if spec.executor != "torch":
+        raise ValueError(f"unknown executor {spec.executor!r}; known: modeled, torch")
+    from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig  # torch loads only here
+
+    config = TorchModelConfig(vocab_size=spec.vocab_size, max_model_len=spec.max_model_len,
+                              block_size=cm.block_size)
+    return TorchExecutor(config, num_device_blocks, num_host_blocks, device=spec.torch_device)

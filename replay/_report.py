@@ -25,7 +25,7 @@ import numpy as np
 from replay._setup import ReplaySetup
 from replay._sim import SimResult
 
-__all__ = ["REQUIRED_KEYS", "metrics", "render_table", "report_json", "write_plots"]
+__all__ = ["REQUIRED_KEYS", "metrics", "render_table", "report_json", "step_time_check", "write_plots"]
 
 REQUIRED_KEYS = ("jct_mean_s", "jct_p50_s", "jct_p90_s", "jct_p99_s", "ttft_p50_s", "ttft_p90_s",
                  "ttft_p99_s", "across_turn_hit_rate", "within_turn_hit_rate", "recomputed_tokens",
@@ -85,6 +85,11 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "makespan_s": result.makespan_s,
         "wall_s": result.wall_s,
         "num_steps": sum(n.num_steps for n in result.nodes),
+        # the executor's work: tokens run forward, step time on the clock (measured on torch, else modeled)
+        # and the cost model's price of the same steps (equal to step_s on the modeled executor)
+        "step_tokens": sum(n.num_step_tokens for n in result.nodes),
+        "step_s": sum(n.step_s for n in result.nodes),
+        "modeled_step_s": sum(n.modeled_step_s for n in result.nodes),
         "num_events": result.num_events,
     }
     m.update(result.extra)
@@ -94,7 +99,13 @@ def metrics(result: SimResult) -> dict[str, Any]:
 def report_json(setup: ReplaySetup, results: Sequence[SimResult]) -> dict[str, Any]:
     """``{"policies": {name: metrics}, "config": setup and each policy's configuration}``."""
     config = dataclasses.asdict(setup)
-    config["executor"] = "modeled"
+    if setup.executor == "torch":
+        config["step_time"] = (f"measured: wall time (time.perf_counter) of each real TorchExecutor step "
+                               f"on this machine, {setup.torch_threads} torch thread(s); the cost model "
+                               f"{setup.cost_model} prices policies, routing and sizing, and modeled_step_s")
+    else:
+        config.pop("torch_threads")
+        config["step_time"] = f"modeled: cost model {setup.cost_model}"
     config["policy_configs"] = {r.config.name: dataclasses.asdict(r.config) for r in results}
     return {"policies": {r.config.name: metrics(r) for r in results}, "config": config}
 
@@ -127,6 +138,17 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if refs:
         lines.append(f"\nratios in parentheses: × {' / × '.join(refs)}")
+    return "\n".join(lines)
+
+
+def step_time_check(report: dict[str, Any]) -> str:
+    """Per policy: the steps' measured time against the cost model's price of the same steps."""
+    cm = report["config"]["cost_model"]
+    lines = [f"step time, measured vs {cm}'s price of the same steps (steps, tokens run forward):"]
+    for name, m in report["policies"].items():
+        ratio = _ratio(m["step_s"], m["modeled_step_s"])
+        lines.append(f"  {name}: {m['step_s']:.2f} s vs {m['modeled_step_s']:.2f} s ({ratio:.2f}×), "
+                     f"{m['num_steps']:,} steps, {m['step_tokens']:,} tokens")
     return "\n".join(lines)
 
 

@@ -5,11 +5,22 @@ programs' contexts are estimated by Little's law (each program's context, averag
 its unloaded lifetime: tool pauses plus its turns' prefill and decode on an idle node), and each node gets
 device KV for ``device_fraction`` (a third) of its share of them and host memory for all of them.  Queueing
 only lengthens lifetimes, so under load the device holds less than that third, never more.
+
+Two executors compute the nodes' steps (``NodeSpec.executor``):
+
+* ``modeled`` (default): each step costs what the cost model says; replays are deterministic.
+* ``torch``: each node runs the real tiny Llama-like ``TorchExecutor`` (random weights; real prefill,
+  decode and host<->device copies over the same block counts), and a step lasts, on the virtual clock,
+  the wall time it was measured to take.  The cost model is then only what the policies, the router
+  and the sizing read (``cpu-tiny``, fitted on that model by ``hintflow engine profile``), and token
+  counts default to a fifth of the modeled defaults (``TORCH_WORKLOAD_DEFAULTS``) so that the longest
+  prompt stays near the 2,048 tokens the profile covered and a four-policy run takes a minute or two.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from engine_adapter._cost_model import CostModel, load_cost_model
@@ -19,7 +30,8 @@ from replay._readers import read_workload
 from replay._sim import SimResult, Simulation
 from replay._trace import Program
 
-__all__ = ["WORKLOAD_DEFAULTS", "ReplaySetup", "estimate_live_context_tokens", "run_replay"]
+__all__ = ["EXECUTORS", "EXECUTOR_DEFAULTS", "TORCH_WORKLOAD_DEFAULTS", "WORKLOAD_DEFAULTS", "ReplaySetup",
+           "estimate_live_context_tokens", "longest_request_tokens", "run_replay"]
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
     # swe-agent: calibrated so that vllm-default's across-turn hit rate is near Copilot's 55% (README).
@@ -31,10 +43,29 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
 }
 """Per generator: programs and arrival rate (programs/s) when the command line does not say."""
 
+TORCH_WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
+    # a fifth of the modeled scale: longest prompts of about 2k tokens (swe-agent 1,970, multi-agent 1,400,
+    # human-in-loop 2,080 over the first 40 programs), the range cpu-tiny was profiled on
+    "swe-agent": {"num_programs": 40, "scale": 0.05},
+    "multi-agent": {"num_programs": 40, "scale": 0.2},
+    "human-in-loop": {"num_programs": 40, "scale": 0.2},
+}
+"""Per generator, with ``--executor torch``: these override ``WORKLOAD_DEFAULTS`` (the arrival rate stays)."""
+
+EXECUTORS = ("modeled", "torch")
+
+EXECUTOR_DEFAULTS: dict[str, dict[str, str | int]] = {
+    "modeled": {"cost_model": "h100-llama3-8b", "block_size": 128},
+    # the torch nodes run the model cpu-tiny was fitted on, at the block size it was fitted at
+    "torch": {"cost_model": "cpu-tiny", "block_size": 16},
+}
+"""Per executor: the cost model and KV block size when neither the caller nor the command line says."""
+
 
 @dataclass(frozen=True)
 class ReplaySetup:
-    """One replay's inputs; ``None`` sizes and loads take the workload's defaults (``resolve``)."""
+    """One replay's inputs; ``None`` takes the executor's and the workload's defaults (``with_defaults``),
+    and node sizes from the programs (``resolve``)."""
 
     workload: str = "swe-agent"
     num_programs: int | None = None
@@ -42,12 +73,33 @@ class ReplaySetup:
     num_nodes: int = 2
     kv_capacity_tokens: int | None = None  # device KV per node
     host_capacity_tokens: int | None = None  # host memory per node (for the configs that use it)
-    cost_model: str = "h100-llama3-8b"
+    cost_model: str | None = None  # None: EXECUTOR_DEFAULTS (h100-llama3-8b modeled, cpu-tiny torch)
     seed: int = 0
     scale: float | None = None  # None: the workload's default (1.0 unless WORKLOAD_DEFAULTS says)
     tick_s: float = 0.05
     device_fraction: float = 1 / 3
-    block_size: int = 128  # KV block (tokens); the cost model's copy cost is rescaled to it
+    block_size: int | None = None  # KV block (tokens); the cost model's copy cost is rescaled to it
+    executor: str = "modeled"  # "modeled" or "torch" (see the module docstring)
+    torch_threads: int = 1  # torch intra-op threads while torch nodes run (cpu-tiny was fitted on 1)
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+
+    def with_defaults(self) -> ReplaySetup:
+        """This setup with every default it will run with written in (so a report shows them)."""
+        d, e = self.defaults(), EXECUTOR_DEFAULTS[self.executor]
+        num = self.num_programs if self.num_programs is not None else d.get("num_programs")
+        return replace(
+            self,
+            num_programs=None if num is None else int(num),
+            rate=self.rate if self.rate is not None else d.get("rate"),
+            scale=self.scale if self.scale is not None else d.get("scale", 1.0),
+            cost_model=self.cost_model if self.cost_model is not None else str(e["cost_model"]),
+            block_size=self.block_size if self.block_size is not None else int(e["block_size"]),
+        )
 
     def cost(self) -> CostModel:
         """The cost model at this replay's block size.
@@ -57,29 +109,32 @@ class ReplaySetup:
         faster and hit rates move by under a block per turn (contexts are tens of thousands of tokens).
         A block copy moves ``block_size`` tokens, so its cost scales with it.
         """
-        cm = load_cost_model(self.cost_model)
-        if self.block_size == cm.block_size:
+        s = self.with_defaults()
+        assert s.cost_model is not None and s.block_size is not None
+        cm = load_cost_model(s.cost_model)
+        if s.block_size == cm.block_size:
             return cm
         per_token = cm.copy_per_block_s / cm.block_size
-        return cm.model_copy(update={"block_size": self.block_size,
-                                     "copy_per_block_s": per_token * self.block_size})
+        return cm.model_copy(update={"block_size": s.block_size,
+                                     "copy_per_block_s": per_token * s.block_size})
 
     def defaults(self) -> dict[str, float]:
-        return WORKLOAD_DEFAULTS.get(self.workload.partition(":")[0], {})
+        """The workload's defaults for programs, rate and scale (the torch ones where they apply)."""
+        kind = self.workload.partition(":")[0]
+        d = dict(WORKLOAD_DEFAULTS.get(kind, {}))
+        if self.executor == "torch":
+            d.update(TORCH_WORKLOAD_DEFAULTS.get(kind, {}))
+        return d
 
     def load_programs(self) -> list[Program]:
-        d = self.defaults()
-        num = self.num_programs if self.num_programs is not None else d.get("num_programs")
-        rate = self.rate if self.rate is not None else d.get("rate")
-        scale = self.scale if self.scale is not None else d.get("scale", 1.0)
-        return read_workload(self.workload, seed=self.seed, rate=rate, scale=scale,
-                             limit=None if num is None else int(num))
+        s = self.with_defaults()
+        return read_workload(s.workload, seed=s.seed, rate=s.rate, scale=s.scale if s.scale is not None else 1.0,
+                             limit=s.num_programs)
 
     def resolve(self, programs: Sequence[Program], cost_model: CostModel) -> ReplaySetup:
         """This setup with node sizes filled in from the programs (see the module docstring)."""
         live = estimate_live_context_tokens(programs, cost_model)
-        longest = max(p.max_context_tokens + max(t.output_tokens for s in p.sessions for t in s.turns)
-                      for p in programs)
+        longest = longest_request_tokens(programs)
         per_node = live / self.num_nodes
         kv = self.kv_capacity_tokens
         if kv is None:
@@ -94,7 +149,18 @@ class ReplaySetup:
         device = self.kv_capacity_tokens
         if infinite_kv:
             device = _peak_held_tokens(programs, cost_model)
-        return NodeSpec(device, self.host_capacity_tokens, cost_model)
+        if self.executor == "modeled":
+            return NodeSpec(device, self.host_capacity_tokens, cost_model)
+        # the torch model's RoPE tables are max_model_len long: cover the longest request, no more
+        bs = cost_model.block_size
+        max_len = -(-(longest_request_tokens(programs) + bs) // bs) * bs
+        return NodeSpec(device, self.host_capacity_tokens, cost_model, max_model_len=max_len, executor="torch")
+
+
+def longest_request_tokens(programs: Sequence[Program]) -> int:
+    """An upper bound on prompt + output of any call: the longest prompt plus the longest output."""
+    return max(p.max_context_tokens + max(t.output_tokens for s in p.sessions for t in s.turns)
+               for p in programs)
 
 
 def _unloaded_lifetime_s(program: Program, cm: CostModel) -> float:
@@ -150,16 +216,38 @@ def run_replay(setup: ReplaySetup, configs: Sequence[ReplayConfig], *,
     ``progress(config name, total programs)`` may return a callback the simulator calls once per finished
     program (the command line hangs a tqdm bar on it).
     """
-    progs = list(programs) if programs is not None else setup.load_programs()
+    if programs is None:
+        setup = setup.with_defaults()
+        progs = setup.load_programs()
+    else:  # the caller's programs: keep its (perhaps unset) load knobs, fill the executor's defaults
+        progs = list(programs)
+        setup = replace(setup.with_defaults(), num_programs=len(progs), rate=setup.rate, scale=setup.scale)
     if not progs:
         raise ValueError(f"workload {setup.workload!r} has no programs")
     cm = setup.cost()
     setup = setup.resolve(progs, cm)
     results = []
-    for config in configs:
-        spec = setup.node_spec(cm, infinite_kv=config.infinite_kv, programs=progs)
-        cb = progress(config.name, len(progs)) if progress is not None else None
-        sim = Simulation(progs, config, spec, num_nodes=setup.num_nodes, seed=setup.seed, tick_s=setup.tick_s,
-                         progress=cb)
-        results.append(sim.run())
+    with _torch_threads(setup):
+        for config in configs:
+            spec = setup.node_spec(cm, infinite_kv=config.infinite_kv, programs=progs)
+            cb = progress(config.name, len(progs)) if progress is not None else None
+            sim = Simulation(progs, config, spec, num_nodes=setup.num_nodes, seed=setup.seed,
+                             tick_s=setup.tick_s, progress=cb)
+            results.append(sim.run())
     return setup, results
+
+
+@contextlib.contextmanager
+def _torch_threads(setup: ReplaySetup) -> Iterator[None]:
+    """torch's intra-op threads set to ``setup.torch_threads`` while torch nodes run, then restored."""
+    if setup.executor != "torch":
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(setup.torch_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -13,7 +13,8 @@ hint policy the way the live runtime (``workflows/_runtime.py``) feeds them, so 
 * hints go to the node holding the session (all nodes when unknown); ``Release`` goes to every node.
 
 Determinism: the heap breaks time ties by insertion order and nothing reads the wall clock, so a trace,
-a configuration and a seed give the same result every time.
+a configuration and a seed give the same result every time on the modeled executor.  On torch nodes a
+step lasts its measured wall time (``_nodes.py``), so times, and what depends on them, vary run to run.
 """
 
 from __future__ import annotations

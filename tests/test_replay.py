@@ -140,5 +140,5 @@ def test_cli_writes_json(tmp_path: Path) -> None:
 def test_cli_bad_input() -> None:
     res = CliRunner().invoke(replay_command, ["--policy", "nope", "--no-progress"])
     assert res.exit_code != 0 and "vllm-default" in res.output
-    res = CliRunner().invoke(replay_command, ["--executor", "torch", "--no-progress"])
-    assert res.exit_code != 0 and "not implemented yet" in res.output
+    res = CliRunner().invoke(replay_command, ["--executor", "gpu", "--no-progress"])
+    assert res.exit_code != 0 and "torch" in res.output
