@@ -49,6 +49,7 @@ class SchedulerSettings(_Section):
     cold_prefill_budget_tokens: int = Field(default=512, ge=0)
     warm_threshold_tokens: int = Field(default=256, ge=0)
     program_fcfs_aging_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    ttft_deadline_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
 
 
 class ModelSettings(_Section):

@@ -67,6 +67,9 @@ class SchedulerConfig:
     # head start is at most this many seconds, so a young program's first turns cannot wait behind every
     # older program's later turns.  None: strict program FCFS (Continuum's order).
     program_fcfs_aging_s: float | None = None
+    # A request that has waited this long sorts ahead of pins and program order (oldest first), so the
+    # turns program FCFS and pins put last still see a first token within about this bound.  None: off.
+    ttft_deadline_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -84,6 +87,7 @@ class Request:
     state: RequestState = RequestState.WAITING
     cold: bool = False
     preempted: bool = False
+    overdue: bool = False  # waited past the scheduler's TTFT deadline
     num_preemptions: int = 0
     finish_reason: str = ""
     # accounting at first admission
@@ -115,6 +119,8 @@ class Request:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
     def sort_key(self, aging_s: float | None = None) -> tuple[int, int, int, float, float, int]:
+        if self.overdue:  # after preempted requests, before everything else, by arrival
+            return (0 if self.preempted else 1, -1, -1, self.arrival_s, self.arrival_s, self._seq)
         s = self.session
         pinned = s.pin_deadline_s is not None
         prio = self.priority if self.priority is not None else s.priority_class
@@ -198,6 +204,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         self.kv.tick()
+        self._mark_overdue()
         if self._resort:
             keyed = sorted(
                 ((r.sort_key(self.config.program_fcfs_aging_s), r) for r in self.waiting),
@@ -228,6 +235,16 @@ class Scheduler:
                     self._run(step, req, chunk, cold and pending > 1)
             self._admit(step, cold)
         return ScheduledBatch(seqs=step.seqs, copies=self.kv.take_copies())
+
+    def _mark_overdue(self) -> None:
+        deadline = self.config.ttft_deadline_s
+        if deadline is None or not self.waiting:
+            return
+        now = self.clock.now()
+        for req in self.waiting:
+            if not req.overdue and req.first_token_s is None and now - req.arrival_s >= deadline:
+                req.overdue = True
+                self._resort = True
 
     def _run(self, step: _Step, req: Request, chunk: int, cold: bool) -> bool:
         """Reserve blocks for ``chunk`` more tokens of a running request (preempting if it must)."""

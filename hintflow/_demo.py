@@ -46,6 +46,7 @@ class DemoConfig:
     background_clients: int = 2  # per node
     device_blocks: int = 192  # per node, 16 tokens each: about a third of the live contexts in all
     fcfs_aging_s: float | None = None  # hintflow nodes: program FCFS with at most this head start
+    ttft_deadline_s: float | None = None  # hintflow nodes: a request waiting this long goes first
     seed: int = 0
 
 
@@ -61,6 +62,7 @@ async def _run(cfg: DemoConfig, temporal: str | None) -> dict[str, Any]:
                 name=f"demo-{mode}",
                 # hintflow nodes order by program age with a bounded head start (see SchedulerConfig)
                 program_fcfs_aging_s=None if mode == "vllm-default" else cfg.fcfs_aging_s,
+                ttft_deadline_s=None if mode == "vllm-default" else cfg.ttft_deadline_s,
             ) as engines:
                 run = RunConfig(
                     example="coding-agent",

@@ -100,6 +100,7 @@ async def local_nodes(
     pin_budget_fraction: float = 0.5,
     name: str = "local",
     program_fcfs_aging_s: float | None = None,
+    ttft_deadline_s: float | None = None,
 ) -> AsyncIterator[list[str]]:
     """``num_nodes`` torch engine nodes on loopback ports; stopped (and checked for leaks) on exit.
 
@@ -118,7 +119,7 @@ async def local_nodes(
                 retain_contexts=retain_contexts,
                 pin_budget_fraction=pin_budget_fraction,
                 model=LOCAL_MODEL,
-                scheduler={"program_fcfs_aging_s": program_fcfs_aging_s},
+                scheduler={"program_fcfs_aging_s": program_fcfs_aging_s, "ttft_deadline_s": ttft_deadline_s},
             )
             nodes.append(await start_node(build_engine(cfg), "127.0.0.1", 0))
             logger.info("started torch engine node at %s", nodes[-1].address)

@@ -412,6 +412,13 @@ def bench(as_json: bool, **kwargs: Any) -> None:
     help="hintflow nodes: cap an older program's head start in the queue at this many seconds.  [default: strict]",
 )
 @click.option(
+    "--ttft-deadline",
+    "ttft_deadline_s",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="hintflow nodes: a request that has waited this long goes ahead of pins and program order.  [default: off]",
+)
+@click.option(
     "--out",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -427,6 +434,7 @@ def demo(
     seed: int,
     temporal: str | None,
     fcfs_aging_s: float | None,
+    ttft_deadline_s: float | None,
     out_dir: Path,
 ) -> None:
     """Coding agents on Temporal and two engine nodes: vLLM-like behaviour, then with hints; side by side."""
@@ -442,6 +450,7 @@ def demo(
         time_scale=time_scale,
         seed=seed,
         fcfs_aging_s=fcfs_aging_s,
+        ttft_deadline_s=ttft_deadline_s,
     )
     click.echo(
         f"starting Temporal and {num_nodes} torch engine nodes; {programs} coding-agent programs x {turns} turns, "

@@ -64,6 +64,33 @@ def test_program_fcfs_priority_orders_the_queue() -> None:
     assert order == ["old", "young"]  # the older program first although it arrived second
 
 
+def test_ttft_deadline_puts_an_overdue_request_ahead_of_older_programs() -> None:
+    def order_of(deadline_s: float | None) -> list[str]:
+        core = make_core(max_num_seqs=1, ttft_deadline_s=deadline_s)
+        rng = random.Random(6)
+        order: list[str] = []
+
+        def note(req: Request, toks: list[int], done: bool) -> None:
+            if done:
+                order.append(req.session.session_id)
+
+        def old_turn(name: str) -> None:
+            core.submit(rand_tokens(rng, 8), 4, session_id=name, program_id=name, on_event=note)
+            core.apply_hints([Priority(session_id=name, program_age_s=100.0)])
+
+        core.submit(rand_tokens(rng, 8), 4, session_id="young", program_id="young", on_event=note)
+        old_turn("old0")
+        core.step()  # old0 (the older program) runs first; young waits
+        assert isinstance(core.clock, VirtualClock)
+        core.clock.advance(10.0)
+        old_turn("old1")  # arrives 10 s after young, but its program is older
+        core.run_until_idle()
+        return order
+
+    assert order_of(None) == ["old0", "old1", "young"]  # strict program FCFS: young waits behind old1
+    assert order_of(5.0) == ["old0", "young", "old1"]  # young waited past 5 s: it goes before old1
+
+
 def test_cold_prefill_budget_lets_warm_resume_through() -> None:
     core = make_core(
         blocks=200, max_num_batched_tokens=256, cold_prefill_budget_tokens=64, warm_threshold_tokens=32
