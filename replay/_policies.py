@@ -72,9 +72,10 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
             description="ours: pins, predicted-pause eviction order, priority, release, cost routing, host tier",
         ),
         ReplayConfig(
-            "oracle", "hintflow", "hintflow", retain_contexts=True, eviction_policy="hinted",
+            "oracle", "hintflow", "session", retain_contexts=True, eviction_policy="hinted",
             host_tier=False, cold_prefill_cap=True, infinite_kv=True,
-            description="physical bound: device KV large enough that no context is ever evicted",
+            description="physical bound: device KV large enough that no context is ever evicted, and "
+                        "sessions stay on their node (a move would recompute the context elsewhere)",
         ),
     )
 }

@@ -123,11 +123,17 @@ class TurnRecord:
     def of(cls, s: SessionRun, req: Request, config: str) -> TurnRecord:
         first_sched = req.first_scheduled_s if req.first_scheduled_s is not None else req.arrival_s
         first_tok = req.first_token_s if req.first_token_s is not None else (req.finished_s or req.arrival_s)
+        # History is what the session computed in earlier turns, wherever that was: a session routed to
+        # another node finds none of it there, and the node alone would count it as new prompt.
+        history, recomputed = req.num_history_tokens, req.num_recomputed_tokens
+        if s.turn_index > 0 and s.context:
+            history = max(history, len(s.context) - 1)  # the last sampled token was never computed
+            recomputed = max(recomputed, history - req.num_cached_tokens - req.num_host_hit_tokens)
         return cls(
             s.run.program.program_id, s.key, s.turn_index, s.node, s.ready_s, first_tok,
             req.finished_s or first_tok, first_sched - s.ready_s, first_tok - s.ready_s, len(req.prompt),
-            len(req.output), req.num_cached_tokens, req.num_host_hit_tokens, req.num_history_tokens,
-            req.num_recomputed_tokens, req.num_preemptions,
+            len(req.output), req.num_cached_tokens, req.num_host_hit_tokens, history, recomputed,
+            req.num_preemptions,
         )
 
     @property

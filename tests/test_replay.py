@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -142,3 +143,19 @@ def test_cli_bad_input() -> None:
     assert res.exit_code != 0 and "vllm-default" in res.output
     res = CliRunner().invoke(replay_command, ["--executor", "gpu", "--no-progress"])
     assert res.exit_code != 0 and "torch" in res.output
+
+
+def test_history_counts_wherever_the_session_ran_before(all_results) -> None:  # type: ignore[no-untyped-def]
+    # Every later turn's history is the whole context the session computed before (its last prompt plus
+    # all but the last output token), whatever node kept it: vLLM-like nodes forget a finished turn's
+    # session, and a node a session moved to never saw it; neither may count that history as new prompt.
+    _, (_, results) = all_results
+    for r in results:
+        by_session: dict[str, list] = {}
+        for t in r.turns:
+            by_session.setdefault(t.session_key, []).append(t)
+        for turns in by_session.values():
+            turns.sort(key=lambda t: t.turn_index)
+            for prev, t in itertools.pairwise(turns):
+                assert t.history_tokens == prev.prompt_tokens + prev.output_tokens - 1, r.config.name
+                assert t.recomputed_tokens == t.history_tokens - t.across_hit_tokens, r.config.name
