@@ -176,7 +176,10 @@ def _cache_replay_table(result: dict[str, Any], seconds: float) -> str:
 @click.option("--host", default=None, help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="gRPC port, 0: any free one.")
 @click.option(
-    "--metrics-port", type=click.IntRange(-1, 65535), default=None, help="Prometheus port; 0: any, -1: off."
+    "--metrics-port",
+    type=click.IntRange(-1, 65535),
+    default=None,
+    help="Prometheus port; 0: any, -1: off.  vllm: hintflow_* metrics from the engine-core process.",
 )
 @click.option("--node-id", default=None, help="Node id in cache state and logs.  [default: random]")
 @click.option("--model-name", default=None, help="model_name metric label.  [default: hintflow-tiny]")
@@ -216,6 +219,7 @@ def serve(
                 host=overrides.get("host") or "127.0.0.1",
                 port=overrides.get("port") or 8000,
                 hint_port=hint_port,
+                metrics_port=overrides.get("metrics_port"),
                 pin_budget=overrides.get("pin_budget_fraction") or 0.5,
                 node_id=overrides.get("node_id") or "vllm-0",
                 state_dir=state_dir,

@@ -1,4 +1,5 @@
-"""hintflow's ``EngineNode.PushHints`` / ``GetCacheState`` served from inside vLLM's engine-core process.
+"""hintflow's ``EngineNode.PushHints`` / ``WatchCacheState`` / ``GetCacheState`` served from inside vLLM's
+engine-core process, and (with ``HINTFLOW_METRICS_PORT``) the node's ``hintflow_*`` Prometheus metrics.
 
 Why inside: the scheduler's blocks and queues live in that process, so a hint applied there takes effect
 on the next step with no extra hop and no second copy of state to drift. A plain thread-pool gRPC server
@@ -8,15 +9,26 @@ steps. Per-hint results follow the embedded node (``engine_adapter._engine``): N
 session or program, INVALID_ARGUMENT for a hint that does not decode, and a bad hint never ends the
 stream. Other RPCs of the service (Generate, export/import) answer UNIMPLEMENTED: requests go through
 vLLM's OpenAI server.
+
+``WatchCacheState`` follows the embedded node's contract (the state now, then on change at most every
+``watch_min_period_s`` and at least every ``interval_s``), so ``HintRuntime``'s router reads a vLLM node
+as it reads an embedded one. vLLM keeps no state version, so :class:`SchedulerStateVersion` makes one: a
+counter that moves when a cheap signature of the node (free and pinned blocks, queue lengths, backlog,
+sessions, hints applied) changes; it starts again at 1 when the node restarts, which is how the router
+tells a restart. Each open stream holds one thread of the server's pool (``MAX_WORKERS``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -39,10 +51,25 @@ from hints import (
 )
 from hints._models import SessionResidency
 
+from ._metrics import HintStats, MetricsServer, start_metrics_server
+
 if TYPE_CHECKING:
     from ._scheduler import HintflowScheduler
 
-__all__ = ["HintServer", "apply_hints", "cache_state", "start_hint_server"]
+__all__ = [
+    "MAX_WORKERS",
+    "CacheStateSource",
+    "HintServer",
+    "SchedulerStateVersion",
+    "apply_hints",
+    "cache_state",
+    "start_hint_server",
+    "watch_cache_states",
+]
+
+MAX_WORKERS = 32
+"""Threads of the hint server: each open PushHints or WatchCacheState stream holds one (a worker process
+of the orchestrator opens one of each per node), so a few workers must not exhaust the pool."""
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +165,9 @@ def _apply(sched: HintflowScheduler, i: int, h: HintModel | HintDecodeError) -> 
         if sched.pins_supported:
             book.place_by_next_use(known)
         if unknown:
-            raise _NotFound(f"{len(unknown)} unknown session(s), e.g. {unknown[0]!r}; the others were applied")
+            raise _NotFound(
+                f"{len(unknown)} unknown session(s), e.g. {unknown[0]!r}; the others were applied"
+            )
         return HintResult(index=i)
     if isinstance(h, Prefetch):
         s = _session(sched, h.session_id)
@@ -150,7 +179,7 @@ def _apply(sched: HintflowScheduler, i: int, h: HintModel | HintDecodeError) -> 
     raise _Invalid(f"unsupported hint {type(h).__name__}")
 
 
-def cache_state(sched: HintflowScheduler, include_sessions: bool) -> CacheState:
+def cache_state(sched: HintflowScheduler, include_sessions: bool, version: int = 0) -> CacheState:
     """The node's state in the protocol's terms, read under the scheduler lock."""
     with sched.hint_lock:
         sched.book.expire()
@@ -182,12 +211,102 @@ def cache_state(sched: HintflowScheduler, include_sessions: bool) -> CacheState:
             prefill_backlog_tokens=sched.prefill_backlog_tokens(),
             sessions=sessions,
             node_time_s=sched.book.clock(),
+            version=version,
         )
 
 
-class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
+class CacheStateSource(Protocol):
+    """What ``WatchCacheState`` streams: a state (carrying its version) and a cheap current version."""
+
+    def state(self, include_sessions: bool) -> CacheState: ...
+
+    def version(self) -> int: ...
+
+
+class SchedulerStateVersion:
+    """A version for a vLLM node's cache state: bumps when a cheap signature of the node changes."""
+
     def __init__(self, sched: HintflowScheduler) -> None:
         self.sched = sched
+        self._lock = threading.Lock()
+        self._signature: tuple[int, ...] | None = None
+        self._version = 0
+        self._hint_batches = 0
+
+    def hints_applied(self) -> None:
+        with self._lock:
+            self._hint_batches += 1
+
+    def _current(self) -> tuple[int, ...]:
+        """Called under the scheduler lock."""
+        sched = self.sched
+        return (
+            sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+            sched.book.num_pinned_blocks,
+            len(sched.waiting),
+            len(sched.running),
+            sched.prefill_backlog_tokens(),
+            len(sched.book.sessions),
+        )
+
+    def _observe(self, signature: tuple[int, ...]) -> int:
+        with self._lock:
+            signature = (*signature, self._hint_batches)
+            if signature != self._signature:
+                self._signature = signature
+                self._version += 1
+            return self._version
+
+    def version(self) -> int:
+        with self.sched.hint_lock:
+            self.sched.book.expire()
+            signature = self._current()
+        return self._observe(signature)
+
+    def state(self, include_sessions: bool) -> CacheState:
+        with self.sched.hint_lock:
+            self.sched.book.expire()
+            version = self._observe(self._current())
+            return cache_state(self.sched, include_sessions, version)
+
+
+def watch_cache_states(
+    source: CacheStateSource,
+    include_sessions: bool,
+    interval_s: float,
+    min_period_s: float,
+    closing: threading.Event,
+    active: Callable[[], bool] = lambda: True,
+) -> Iterator[CacheState]:
+    """The state now, then whenever its version moves (checked every ``min_period_s``) and at least every
+    ``interval_s``, until ``closing`` is set or ``active()`` turns false (the client went away)."""
+    while not closing.is_set() and active():
+        state = source.state(include_sessions)
+        yield state
+        sent_at = time.monotonic()
+        while not closing.is_set() and active():
+            left = sent_at + interval_s - time.monotonic()
+            if left <= 0:
+                break
+            closing.wait(min(min_period_s, left))
+            if source.version() != state.version:
+                break
+
+
+class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        sched: HintflowScheduler,
+        *,
+        watch_interval_s: float = 1.0,
+        watch_min_period_s: float = 0.05,
+    ) -> None:
+        self.sched = sched
+        self.stats = HintStats()
+        self.states = SchedulerStateVersion(sched)
+        self.watch_interval_s = watch_interval_s
+        self.watch_min_period_s = watch_min_period_s
+        self.closing = threading.Event()
 
     def PushHints(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         for batch in request_iterator:
@@ -197,6 +316,10 @@ class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
         try:
             decoded = batch_from_proto_lenient(batch)
             results = apply_hints(self.sched, decoded.hints)
+            self.states.hints_applied()
+            self.stats.count(decoded.hints, results)
+            if decoded.sent_unix_s > 0:
+                self.stats.observe_delivery(time.time() - decoded.sent_unix_s)
             return ack_to_proto(HintAck(batch_id=decoded.batch_id, results=results))
         except Exception as e:  # an engine bug still answers the batch rather than ending the stream
             log.exception("applying hint batch %d failed", batch.batch_id)
@@ -207,25 +330,74 @@ class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
             return ack_to_proto(HintAck(batch_id=batch.batch_id, results=results))
 
     def GetCacheState(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return cache_state_to_proto(cache_state(self.sched, request.include_sessions))
+        return cache_state_to_proto(self.states.state(request.include_sessions))
+
+    def WatchCacheState(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from serve_watch(
+            self.states, request, context, self.watch_interval_s, self.watch_min_period_s, self.closing
+        )
+
+
+def serve_watch(
+    source: CacheStateSource,
+    request: Any,
+    context: grpc.ServicerContext,
+    default_interval_s: float,
+    min_period_s: float,
+    closing: threading.Event,
+) -> Iterator[Any]:
+    """``WatchCacheState`` on a sync gRPC server: validate the interval, then stream protos."""
+    interval = request.interval_s
+    if not math.isfinite(interval) or interval < 0:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"interval_s must be >= 0, got {interval}")
+    interval = max(interval or default_interval_s, min_period_s)
+    for state in watch_cache_states(
+        source, request.include_sessions, interval, min_period_s, closing, context.is_active
+    ):
+        yield cache_state_to_proto(state)
 
 
 @dataclass
 class HintServer:
     server: grpc.Server
     port: int
+    servicer: _Servicer
+    metrics: MetricsServer | None = None
+
+    @property
+    def stats(self) -> HintStats:
+        return self.servicer.stats
 
     def stop(self) -> None:
+        self.servicer.closing.set()  # ends watch streams now rather than after the grace
         self.server.stop(grace=0.5)
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
 
 
-def start_hint_server(sched: HintflowScheduler, port: int, host: str = "127.0.0.1") -> HintServer:
-    """Serve the hint service on ``host:port`` (0: a free port) from a small thread pool."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="hintflow-hints"))
-    engine_pb2_grpc.add_EngineNodeServicer_to_server(_Servicer(sched), server)
+def start_hint_server(
+    sched: HintflowScheduler, port: int, host: str = "127.0.0.1", metrics_port: int | None = None
+) -> HintServer:
+    """Serve the hint service on ``host:port`` (0: a free port) from a thread pool.
+
+    ``metrics_port`` (None: ``$HINTFLOW_METRICS_PORT``, unset or -1: none; 0: a free port) also serves
+    ``/metrics`` on ``$HINTFLOW_METRICS_HOST`` (default ``host``); see ``_metrics``.
+    """
+    servicer = _Servicer(sched)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="hintflow-hints")
+    )
+    engine_pb2_grpc.add_EngineNodeServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"hintflow: cannot bind the hint service to {host}:{port}")
+    if metrics_port is None:
+        metrics_port = int(os.environ.get("HINTFLOW_METRICS_PORT", "-1") or "-1")
+    metrics = None
+    if metrics_port >= 0:
+        mhost = os.environ.get("HINTFLOW_METRICS_HOST", host)
+        metrics = start_metrics_server(sched, metrics_port, mhost, servicer.stats)
+        log.info("hintflow metrics on http://%s:%d/metrics", mhost, metrics.port)
     server.start()
-    return HintServer(server, bound)
-
+    return HintServer(server, bound, servicer, metrics)

@@ -40,7 +40,11 @@ def find_vllm_python() -> str | None:
 
     vLLM lives in its own venv (it pins numpy and click versions the main environment must not get).
     """
-    for py in (os.environ.get("HINTFLOW_VLLM_PYTHON", ""), str(REPO / ".venv-vllm" / "bin" / "python"), sys.executable):
+    for py in (
+        os.environ.get("HINTFLOW_VLLM_PYTHON", ""),
+        str(REPO / ".venv-vllm" / "bin" / "python"),
+        sys.executable,
+    ):
         if py and Path(py).exists():
             r = subprocess.run([py, "-c", "import vllm"], capture_output=True, timeout=120)
             if r.returncode == 0:
@@ -58,6 +62,7 @@ def build_vllm_command(
     host: str = "127.0.0.1",
     port: int = 8000,
     hint_port: int | None = None,
+    metrics_port: int | None = None,
     pin_budget: float | None = None,
     node_id: str | None = None,
     state_dir: str | Path = ".hintflow-vllm",
@@ -68,8 +73,11 @@ def build_vllm_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that serve ``model_dir``; ``hintflow=False`` gives stock vLLM (a baseline).
 
-    ``hint_port`` None: no hint service (inferred hints still work). ``infer_hints`` None keeps the
-    scheduler's default (on). ``state_dir`` receives vLLM's caches, sockets and temporary files.
+    ``hint_port`` None: no hint service (inferred hints still work). ``metrics_port`` (0: a free one,
+    None or -1: none) serves the ``hintflow_*`` metrics from the engine-core process; they start with the
+    hint service (the scheduler starts nothing else), so without a ``hint_port`` the hint service takes
+    a free loopback port. ``infer_hints`` None keeps the scheduler's default (on). ``state_dir`` receives
+    vLLM's caches, sockets and temporary files.
     """
     extra = list(extra_args)
     state = Path(state_dir).resolve()
@@ -83,7 +91,13 @@ def build_vllm_command(
         (state / sub).mkdir(parents=True, exist_ok=True)
         env[var] = str(state / sub)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    argv = [python or find_vllm_python() or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    argv = [
+        python or find_vllm_python() or sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+    ]
     argv += ["--host", host, "--port", str(port), "--enable-prompt-tokens-details"]
     if not _has_flag(extra, "--gpu-memory-utilization"):
         argv += ["--gpu-memory-utilization", "0.1"]
@@ -94,6 +108,11 @@ def build_vllm_command(
             argv += ["--scheduling-policy", "priority"]  # program-level FCFS needs vLLM's priority queue
         if hint_port is not None:
             env["HINTFLOW_HINT_PORT"] = str(hint_port)
+        if metrics_port is not None and metrics_port >= 0:
+            env["HINTFLOW_METRICS_PORT"] = str(metrics_port)
+            env.setdefault("HINTFLOW_METRICS_HOST", host)
+            if hint_port is None:
+                env["HINTFLOW_HINT_PORT"] = "0"  # metrics are started beside the hint service
         if pin_budget is not None:
             env["HINTFLOW_PIN_BUDGET"] = str(pin_budget)
         if node_id:
