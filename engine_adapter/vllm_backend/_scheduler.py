@@ -78,7 +78,9 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
     HINTFLOW_PRIORITY_AGING_S (see AGING_S: the most head start an older program's turn gets; inf: strict
     program FCFS), HINTFLOW_ADMIT_GUARD (1), HINTFLOW_ADMIT_FRACTION (1.0: share of the pool the in-flight
     contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (the aging, else 3 s),
-    HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn)."""
+    HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
+    HINTFLOW_YIELD_PINS (1: pins of younger programs yield to the queue's head), HINTFLOW_TTFT_DEADLINE_S
+    (inf: a request waiting this long goes first)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -92,6 +94,7 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
         self.node_id = os.environ.get("HINTFLOW_NODE_ID", "vllm")
         self.model_name = str(self.vllm_config.model_config.served_model_name)
         self._epoch_s = self.book.clock()
+        self._wall_epoch_s = time.time()  # requests' arrival_time is wall time
         self.infer: HintInference | None = None
         if infer_enabled():
             env = os.environ.get
@@ -114,6 +117,9 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
         default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
         self.admit_max_wait_s = float(env_("HINTFLOW_ADMIT_MAX_WAIT_S", str(default_wait)))
         self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
+        self.yield_pins = env_("HINTFLOW_YIELD_PINS", "1").strip().lower() not in {"0", "false", "no", "off"}
+        self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
+        self._overdue: set[str] = set()  # waiting requests already moved to the front (deadline passed)
         self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)
         self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle] for the current step
         self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
@@ -174,7 +180,9 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
             self.book.expire()
             if self.infer is not None:
                 self.infer.sweep()
-            self._yield_pins_to_older()
+            self._promote_overdue()
+            if self.yield_pins:
+                self._yield_pins_to_older()
             self._admit = self._admission_state() if self.admit_guard and self.waiting else None
             try:
                 out = super().schedule(*args, **kwargs)
@@ -195,6 +203,29 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
             if starved and self.book.num_pinned_blocks and self.book.force_unpin_latest():
                 log.info("hintflow: pins blocked all progress; unpinned the latest program")
             return out
+
+    def _promote_overdue(self) -> None:
+        """Requests that have waited ``HINTFLOW_TTFT_DEADLINE_S`` go ahead of every program, oldest first.
+
+        Why: program FCFS and pins move waiting onto the youngest programs' turns; the deadline bounds
+        that tail (first token no later than the deadline plus service), while below it the program
+        order and the kept contexts decide.
+        """
+        if not math.isfinite(self.ttft_deadline_s) or self.policy != SchedulingPolicy.PRIORITY or not self.waiting:
+            return
+        now = time.time()
+        late = [
+            r for r in self.waiting
+            if r.request_id not in self._overdue and now - r.arrival_time >= self.ttft_deadline_s
+        ]  # fmt: skip
+        if not late:
+            return
+        self.waiting.remove_requests(late)
+        for r in late:
+            self._overdue.add(r.request_id)
+            ms = max(0, int((r.arrival_time - self._wall_epoch_s + 86400.0) * 1000))
+            r.priority = -PRIORITY_SCALE + min(ms, PRIORITY_SCALE - 1)  # below every class: first
+            self.waiting.add_request(r)
 
     def _yield_pins_to_older(self) -> None:
         """Drop pins of programs younger than the queue's head (youngest first) until the head fits.
@@ -316,6 +347,7 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
     def _free_request_blocks(self, request: Any) -> None:
         s = self._req_session.pop(request.request_id, None)
         self._client_priority.pop(request.request_id, None)
+        self._overdue.discard(request.request_id)
         if s is None or not self.pins_supported or not self._request_blocks_can_be_freed(request):
             if s is not None:
                 self.book.on_request_finished(s, request.request_id, [])
