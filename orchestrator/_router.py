@@ -200,6 +200,10 @@ class _Node:
     residency: dict[str, SessionResidency]
 
 
+MAX_SESSIONS = 100_000
+"""Sessions whose placement the router remembers (most recently sent first kept)."""
+
+
 class Router:
     """Latest state per node, this router's in-flight turns, and where prefixes and sessions went.
 
@@ -224,6 +228,9 @@ class Router:
         self._nodes: dict[str, _Node] = {}
         self._prefix_nodes: dict[str, set[str]] = {}  # prefix_key -> nodes it was sent to
         self._session_node: dict[str, str] = {}  # session -> node it was last sent to
+        # session -> (node, context tokens it computed there, that node's state version when its turn
+        # ended): until a newer state says otherwise, the context is where the session just ran
+        self._session_ctx: dict[str, tuple[str, int, int]] = {}
 
     def update(self, address: str, state: CacheState, now_s: float) -> None:
         """Take a node's latest state; a restart (new node_id, or version going back) forgets its prefixes
@@ -269,13 +276,19 @@ class Router:
         """The turn was sent to ``address``: count it as pending there (only there: a session has one turn in
         flight, so a retry elsewhere replaces it), remember its session and prefix. A node removed since
         :meth:`choose` (a race with health checks) has nothing to track but the session's placement."""
+        self._session_node.pop(req.session_id, None)  # re-inserted last: the maps stay in recency order
         self._session_node[req.session_id] = address
+        while len(self._session_node) > MAX_SESSIONS:  # a worker runs for weeks: forget the oldest
+            gone = next(iter(self._session_node))
+            del self._session_node[gone]
+            self._session_ctx.pop(gone, None)
         for other in self._nodes.values():
             other.pending.pop(req.session_id, None)
         if (node := self._nodes.get(address)) is None:
             return
         warm = self._warm(address, req)[0]
         node.pending[req.session_id] = _Pending(req.context_tokens - warm, warm, node.state.version)
+        self._session_ctx[req.session_id] = (address, req.context_tokens, -1)
         if req.prefix_key:
             self._prefix_nodes.setdefault(req.prefix_key, set()).add(address)
 
@@ -283,6 +296,9 @@ class Router:
         """The session's turn on ``address`` ended; drop its pending prefill (a no-op if already dropped)."""
         if (node := self._nodes.get(address)) is not None:
             node.pending.pop(session_id, None)
+            ctx = self._session_ctx.get(session_id)
+            if ctx is not None and ctx[0] == address:
+                self._session_ctx[session_id] = (address, ctx[1], node.state.version)
 
     def _prefill(self, num_new: int, num_cached: int) -> float:
         if num_new == 0:
@@ -292,8 +308,15 @@ class Router:
     def _warm(self, address: str, req: RouteRequest) -> tuple[int, int]:
         """(warm tokens, of which on host): the session's residency there, or the shared prefix if sent there
         (assumed on device and the start of the session's context, so it overlaps the session's tokens)."""
-        res = self._nodes[address].residency.get(req.session_id)
+        node = self._nodes[address]
+        res = node.residency.get(req.session_id)
         device, host = (res.device_tokens, res.host_tokens) if res is not None else (0, 0)
+        ctx = self._session_ctx.get(req.session_id)
+        if ctx is not None and ctx[0] == address and ctx[2] >= 0 and node.state.version <= ctx[2]:
+            # No state from this node since the session's turn ended there: the state we hold was taken
+            # while the turn ran (or before), so it cannot show the context the turn left.  Assume it is
+            # still there rather than route the session away from it and recompute it elsewhere.
+            device = max(device, ctx[1])
         if req.prefix_key and address in self._prefix_nodes.get(req.prefix_key, ()):
             device = max(device, req.prefix_tokens)
         device = min(device, req.context_tokens)

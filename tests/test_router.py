@@ -152,16 +152,32 @@ def test_hot_prefix_spills_once_pending_work_outweighs_the_recompute() -> None:
 def test_pending_turns_dropped_at_finish_or_by_a_later_version() -> None:
     router = two_nodes(Router(linear))
     req = RouteRequest("s", "p", context_tokens=1000)
-    baseline = router.choose(req, now_s=0.0).expected_s["a"]
+    other = RouteRequest("t", "p", context_tokens=1000)  # sees a's queue, not s's context
+    baseline = router.choose(other, now_s=0.0).expected_s["a"]
     router.started("a", req)
-    assert router.choose(req, now_s=0.0).expected_s["a"] > baseline
+    assert router.choose(other, now_s=0.0).expected_s["a"] > baseline
     router.finished("a", "s")
-    assert router.choose(req, now_s=0.0).expected_s["a"] == baseline
+    assert router.choose(other, now_s=0.0).expected_s["a"] == baseline
     router.started("a", req)
     router.update("a", state("na", version=1), now_s=0.0)  # same version: the turn is not in it yet
-    assert router.choose(req, now_s=0.0).expected_s["a"] > baseline
+    assert router.choose(other, now_s=0.0).expected_s["a"] > baseline
     router.update("a", state("na", version=2), now_s=0.0)
-    assert router.choose(req, now_s=0.0).expected_s["a"] == baseline
+    assert router.choose(other, now_s=0.0).expected_s["a"] == baseline
+
+
+def test_a_session_stays_warm_where_it_just_ran_until_a_newer_state_says_otherwise() -> None:
+    # The last state from "a" was taken before the session's turn ended there, so it cannot list the
+    # context the turn left; without this rule both nodes look cold and the less loaded one wins.
+    router = two_nodes(Router(linear), b=state("nb", version=1))
+    req = RouteRequest("s", "p", context_tokens=4000)
+    router.started("a", req)
+    router.update("a", state("na", version=2, running=3), now_s=0.0)  # the turn is running in it
+    router.finished("a", "s")
+    d = router.choose(RouteRequest("s", "p", context_tokens=4200), now_s=0.1)
+    assert (d.address, d.warm_tokens, d.moved_from) == ("a", 4000, None)
+    router.update("a", state("na", version=3, running=3), now_s=0.2)  # newer, and the session is gone
+    d = router.choose(RouteRequest("s", "p", context_tokens=4200), now_s=0.2)
+    assert d.warm_tokens == 0 and (d.address, d.moved_from) == ("b", "a")
 
 
 def test_retry_elsewhere_moves_the_pending_turn() -> None:
@@ -307,3 +323,16 @@ def test_default_prefill_prices_attention_over_the_cached_prefix() -> None:
     )
     with pytest.raises(ValueError, match="non-negative"):
         default_prefill_s(-1, 0)
+
+
+def test_placements_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import orchestrator._router as r
+
+    monkeypatch.setattr(r, "MAX_SESSIONS", 3)
+    router = two_nodes(Router(linear))
+    for i in range(5):
+        router.started("a", RouteRequest(f"s{i}", "p", context_tokens=100))
+    router.started("a", RouteRequest("s2", "p", context_tokens=100))  # recent again: kept
+    router.started("a", RouteRequest("s5", "p", context_tokens=100))
+    assert list(router._session_node) == ["s4", "s2", "s5"]
+    assert set(router._session_ctx) == {"s4", "s2", "s5"}
