@@ -297,7 +297,9 @@ class Scheduler:
                 # Memory is full: the request keeps its place in the queue.  If nothing runs and nothing
                 # was scheduled, only pins can be holding the pool: the deadlock rule lets the latest
                 # program's pins go and the request tries again (work-conserving: never idle with work).
-                if not self.running and not step.seqs and self.kv.force_unpin_latest():
+                # An overdue request outranks pins by definition (the TTFT deadline), so pins give way
+                # to it at once rather than after the node has drained.
+                if (req.overdue or (not self.running and not step.seqs)) and self.kv.force_unpin_latest():
                     continue
                 return
             self._remove_waiting(req)

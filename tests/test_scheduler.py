@@ -91,6 +91,31 @@ def test_ttft_deadline_puts_an_overdue_request_ahead_of_older_programs() -> None
     assert order_of(5.0) == ["old0", "young", "old1"]  # young waited past 5 s: it goes before old1
 
 
+def test_pins_give_way_to_an_overdue_request_while_others_run() -> None:
+    # 24 blocks x 16 tokens.  A parked, pinned 240-token context holds 15 blocks; a decoding request
+    # holds 2 more.  A 200-token cold prompt (13 blocks) that waited past the deadline must not wait for
+    # the decode to finish and the node to drain (the deadlock rule): the pin yields at once.
+    core = make_core(blocks=24, ttft_deadline_s=1.0)
+    rng = random.Random(7)
+    core.submit(rand_tokens(rng, 240), 1, session_id="pinned", program_id="p")
+    core.run_until_idle()
+    assert all(r.ok for r in core.apply_hints([Pin(session_id="pinned", ttl_s=600.0)]))
+    runner = core.submit(rand_tokens(rng, 20), 200, session_id="runner", program_id="r")
+    core.step()
+    late = core.submit(rand_tokens(rng, 200), 1, session_id="late", program_id="l")
+    core.step()
+    assert late.first_token_s is None  # not overdue yet: the pin holds and the prompt waits
+    assert isinstance(core.clock, VirtualClock)
+    core.clock.advance(2.0)
+    for _ in range(3):
+        core.step()
+    assert late.first_token_s is not None and runner.first_token_s is not None
+    assert len(runner.output) < 200  # the decode was still running: no drain was needed
+    assert core.kv.stats.forced_unpins == 1
+    core.run_until_idle()
+    core.check_invariants()
+
+
 def test_cold_prefill_budget_lets_warm_resume_through() -> None:
     core = make_core(
         blocks=200, max_num_batched_tokens=256, cold_prefill_budget_tokens=64, warm_threshold_tokens=32
