@@ -277,6 +277,10 @@ class Scheduler:
             s = req.session
             tokens = req.tokens
             plan = self.kv.plan_prefix(s, tokens)
+            # History as first seen: an attach whose slots then failed cut the session's tokens back to
+            # the hit prefix, so a retry's plan sees less of it (and would count re-prefill as new).
+            if not req.admitted:  # (after a preemption the plan includes this turn's own tokens)
+                req.num_history_tokens = max(req.num_history_tokens, plan.num_history_tokens)
             uncached = len(tokens) - plan.num_hit_tokens
             if (uncached > self.config.warm_threshold_tokens) != cold_pass:
                 i += 1
@@ -308,8 +312,7 @@ class Scheduler:
                 req.admitted = True
                 req.num_cached_tokens = plan.num_cached_tokens
                 req.num_host_hit_tokens = plan.num_host_tokens
-                req.num_history_tokens = plan.num_history_tokens
-                req.num_recomputed_tokens = max(0, plan.num_history_tokens - plan.num_hit_tokens)
+                req.num_recomputed_tokens = max(0, req.num_history_tokens - plan.num_hit_tokens)
             req.num_computed = len(s.token_ids)
             req.cold = cold_pass
             req.state = RequestState.RUNNING
