@@ -116,6 +116,27 @@ def test_pins_give_way_to_an_overdue_request_while_others_run() -> None:
     core.check_invariants()
 
 
+def test_history_is_what_the_session_had_when_its_turn_first_tried_to_start() -> None:
+    # 20 blocks x 16 tokens.  The second turn of "a" finds its history cached but no room to grow while
+    # "b" decodes; the failed try cut a's tokens back to whole cached blocks.  Its history must still
+    # be everything turn 1 computed, and what it then re-prefills must count as recomputed.
+    core = make_core(blocks=20)
+    rng = random.Random(8)
+    p1 = rand_tokens(rng, 100)
+    r1 = core.submit(p1, 2, session_id="a", program_id="a")
+    core.run_until_idle()
+    b = core.submit(rand_tokens(rng, 180), 40, session_id="b", program_id="b")
+    core.step()
+    r2 = core.submit(p1 + r1.output + rand_tokens(rng, 150), 1, session_id="a", program_id="a")
+    core.step()
+    assert r2.first_token_s is None  # no room yet: it waits
+    core.run_until_idle()
+    assert b.output and r2.output
+    assert r2.num_history_tokens == len(p1) + len(r1.output) - 1
+    assert r2.num_recomputed_tokens == r2.num_history_tokens - min(r2.num_cached_tokens, r2.num_history_tokens)
+    core.check_invariants()
+
+
 def test_cold_prefill_budget_lets_warm_resume_through() -> None:
     core = make_core(
         blocks=200, max_num_batched_tokens=256, cold_prefill_budget_tokens=64, warm_threshold_tokens=32
