@@ -59,6 +59,9 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="KV block size of the replayed nodes (copy cost rescaled) [128; 16 with --executor torch]")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--ttft-deadline", "ttft_deadline_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="hintflow's nodes: a request that has waited this long goes ahead of pins and program "
+                   "order (SchedulerConfig.ttft_deadline_s) [off]")
 @click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
               help="multiply every token count [workload default: 0.25 for swe-agent, else 1; with "
                    "--executor torch 0.05 for swe-agent, 0.2 for multi-agent and human-in-loop]")
@@ -69,8 +72,8 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 @click.option("--progress/--no-progress", default=True, show_default=True, help="tqdm bar per policy")
 def replay_command(workload: str, policies: str, num_nodes: int, executor: str, rate: float | None,
                    num_programs: int | None, kv_capacity_tokens: int | None, host_capacity_tokens: int | None,
-                   cost_model: str | None, block_size: int | None, seed: int, scale: float | None, json_out: str | None,
-                   plots_dir: str | None, progress: bool) -> None:
+                   cost_model: str | None, block_size: int | None, seed: int, ttft_deadline_s: float | None,
+                   scale: float | None, json_out: str | None, plots_dir: str | None, progress: bool) -> None:
     """Replay an agent workload under each policy and print the side-by-side table."""
     from replay._report import dump_json, render_table, report_json, step_time_check, write_plots
     from replay._setup import ReplaySetup, run_replay
@@ -81,7 +84,8 @@ def replay_command(workload: str, policies: str, num_nodes: int, executor: str, 
         raise click.BadParameter(str(e), param_hint="--policy") from None
     setup = ReplaySetup(workload=workload, num_programs=num_programs, rate=rate, num_nodes=num_nodes,
                         kv_capacity_tokens=kv_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
-                        cost_model=cost_model, seed=seed, scale=scale, block_size=block_size, executor=executor)
+                        cost_model=cost_model, seed=seed, scale=scale, block_size=block_size, executor=executor,
+                        ttft_deadline_s=ttft_deadline_s)
     t0 = time.perf_counter()
     try:
         setup, results = run_replay(setup, configs, progress=_tqdm_progress(progress))

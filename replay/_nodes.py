@@ -55,6 +55,7 @@ class NodeSpec:
     cold_prefill_fraction: float = 0.25  # of the step budget, when the config caps cold prefills
     executor: str = "modeled"  # "modeled": steps priced by cost_model; "torch": computed and timed
     torch_device: str = "cpu"  # where torch nodes compute (cpu-tiny describes this machine's CPU)
+    ttft_deadline_s: float | None = None  # for the configs that take it (ReplayConfig.ttft_deadline)
 
 
 @dataclass(eq=False)
@@ -131,7 +132,8 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
     budget = cm.max_batched_tokens
     cold = max(bs, int(budget * spec.cold_prefill_fraction)) if config.cold_prefill_cap else budget
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=spec.max_num_seqs,
-                            cold_prefill_budget_tokens=cold)
+                            cold_prefill_budget_tokens=cold,
+                            ttft_deadline_s=spec.ttft_deadline_s if config.ttft_deadline else None)
     num_host_blocks = math.ceil(spec.num_host_tokens / bs) if config.host_tier else 0
     num_device_blocks = math.ceil(spec.num_device_tokens / bs)
     nodes = []

@@ -14,6 +14,8 @@ what differs is only what the paper behind it changes.  Why each field exists:
   (and the systems built on it) have no such cap, so the baselines run with the whole step budget.
 * ``infinite_kv``: the oracle's device pool holds every context ever computed: nothing is evicted.
 * ``thunderagent_controller``: ThunderAgent's pause/restore loop (``replay/_thunder.py``).
+* ``ttft_deadline``: the replay's ``--ttft-deadline`` (``SchedulerConfig.ttft_deadline_s``) applies to its
+  nodes; an option of hintflow's engine, off unless asked for.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ReplayConfig:
     cold_prefill_cap: bool = False
     infinite_kv: bool = False
     thunderagent_controller: bool = False
+    ttft_deadline: bool = False  # the replay's --ttft-deadline applies (hintflow's engine option)
     description: str = ""
 
 
@@ -68,7 +71,7 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
         ),
         ReplayConfig(
             "hintflow", "hintflow", "hintflow", retain_contexts=True, eviction_policy="hinted",
-            host_tier=True, cold_prefill_cap=True,
+            host_tier=True, cold_prefill_cap=True, ttft_deadline=True,
             description="ours: pins, predicted-pause eviction order, priority, release, cost routing, host tier",
         ),
         ReplayConfig(

@@ -80,6 +80,7 @@ class ReplaySetup:
     device_fraction: float = 1 / 3
     block_size: int | None = None  # KV block (tokens); the cost model's copy cost is rescaled to it
     executor: str = "modeled"  # "modeled" or "torch" (see the module docstring)
+    ttft_deadline_s: float | None = None  # hintflow's nodes: SchedulerConfig.ttft_deadline_s (off)
     torch_threads: int = 1  # torch intra-op threads while torch nodes run (cpu-tiny was fitted on 1)
 
     def __post_init__(self) -> None:
@@ -150,11 +151,12 @@ class ReplaySetup:
         if infinite_kv:
             device = _peak_held_tokens(programs, cost_model)
         if self.executor == "modeled":
-            return NodeSpec(device, self.host_capacity_tokens, cost_model)
+            return NodeSpec(device, self.host_capacity_tokens, cost_model, ttft_deadline_s=self.ttft_deadline_s)
         # the torch model's RoPE tables are max_model_len long: cover the longest request, no more
         bs = cost_model.block_size
         max_len = -(-(longest_request_tokens(programs) + bs) // bs) * bs
-        return NodeSpec(device, self.host_capacity_tokens, cost_model, max_model_len=max_len, executor="torch")
+        return NodeSpec(device, self.host_capacity_tokens, cost_model, max_model_len=max_len, executor="torch",
+                        ttft_deadline_s=self.ttft_deadline_s)
 
 
 def longest_request_tokens(programs: Sequence[Program]) -> int:

@@ -159,3 +159,10 @@ def test_history_counts_wherever_the_session_ran_before(all_results) -> None:  #
             for prev, t in itertools.pairwise(turns):
                 assert t.history_tokens == prev.prompt_tokens + prev.output_tokens - 1, r.config.name
                 assert t.recomputed_tokens == t.history_tokens - t.across_hit_tokens, r.config.name
+
+
+def test_ttft_deadline_reaches_only_hintflows_nodes() -> None:
+    configs = [get_replay_config("vllm-default"), get_replay_config("hintflow")]
+    _, results = run_replay(_setup(ttft_deadline_s=0.5), configs, programs=_tiny(3))
+    got = {r.config.name: r.nodes[0].engine.scheduler.config.ttft_deadline_s for r in results}
+    assert got == {"vllm-default": None, "hintflow": 0.5}

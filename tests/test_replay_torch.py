@@ -27,7 +27,8 @@ POLICIES = ("vllm-default", "hintflow")
 
 
 def _programs() -> list[Program]:
-    # contexts up to ~1.6k tokens; the default sizing leaves each node a device pool of ~3.5k tokens
+    # contexts up to ~1.6k tokens; one node with a 2,000-token device pool: both policies lose contexts
+    # (vllm-default recomputes, hintflow reloads from host), which the KV checks below need
     return generate("swe-agent", seed=3, num_programs=6, rate=2.0, scale=0.05)
 
 
@@ -54,7 +55,9 @@ def torch_run() -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Simulation, "_turn_finished", spy)
         setup, results = run_replay(
-            ReplaySetup(executor="torch"), [get_replay_config(p) for p in POLICIES], programs=programs
+            ReplaySetup(executor="torch", num_nodes=1, kv_capacity_tokens=2000),
+            [get_replay_config(p) for p in POLICIES],
+            programs=programs,
         )
     # before any reference forward adds to the executors' counters
     embedded = {r.config.name: sum(_torch(n).tokens_embedded for n in r.nodes) for r in results}

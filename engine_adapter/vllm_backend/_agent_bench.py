@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from ._agent_client import HintPusher, ProgramResult, run_program
-from ._agent_workload import BLOCK, AgentProgram, builtin_programs, pool_blocks_for, swe_agent_programs
+from ._agent_workload import (
+    BLOCK,
+    AgentProgram,
+    builtin_programs,
+    export_trace,
+    pool_blocks_for,
+    swe_agent_programs,
+)
 from ._serve import REPO, build_vllm_command, start_vllm, stop_vllm, wait_healthy
 
 __all__ = ["MODES", "main", "run_mode", "summarize"]
@@ -167,12 +174,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for the hintflow modes' server (e.g. HINTFLOW_ADMIT_GUARD=0)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--export-trace", type=Path, default=None, metavar="FILE",
+                    help="write the programs as a hintflow trace (for `hintflow replay -w hintflow:FILE`), "
+                         "print the pool in tokens, and exit")
     ap.add_argument("extra", nargs="*", help="further vLLM flags (after --)")
     a = ap.parse_args(argv)
     if a.workload == "builtin":
         programs = builtin_programs(a.programs, rate=a.rate, seed=a.seed)
     else:
         programs = swe_agent_programs(a.programs, rate=a.rate, seed=a.seed, scale=a.scale, pause_scale=a.pause_scale)
+    if a.export_trace is not None:
+        blocks, _ = pool_blocks_for(programs, fraction=a.pool_fraction)
+        floor = math.ceil((max(p.max_context for p in programs) + 16) / BLOCK) + 1
+        a.export_trace.write_text(export_trace(programs))
+        print(json.dumps({"trace": str(a.export_trace), "kv_capacity_tokens": max(a.num_blocks or blocks, floor) * BLOCK}))
+        return {}
     hint_env = dict(kv.split("=", 1) for kv in a.env)
     state = a.state_dir.resolve()
     state.mkdir(parents=True, exist_ok=True)

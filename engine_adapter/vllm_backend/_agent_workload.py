@@ -10,11 +10,12 @@ programs; pauses keep their real lengths there, times ``pause_scale``).
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
 
-__all__ = ["AgentProgram", "AgentTurn", "builtin_programs", "pool_blocks_for", "swe_agent_programs"]
+__all__ = ["AgentProgram", "AgentTurn", "builtin_programs", "export_trace", "pool_blocks_for", "swe_agent_programs"]
 
 BLOCK = 128
 
@@ -129,3 +130,19 @@ def pool_blocks_for(programs: list[AgentProgram], *, fraction: float, turn_s: fl
     ctx = [sum(p.context_tokens(k) for k in range(len(p.turns))) / len(p.turns) for p in programs]
     tokens = live * sum(ctx) / len(ctx)
     return max(1, math.ceil(fraction * tokens / BLOCK)), live
+
+
+def export_trace(programs: list[AgentProgram]) -> str:
+    """The programs as hintflow trace lines (docs/trace-format.md): token counts and pauses, no token ids,
+    so ``hintflow replay`` can run the same workload on modeled nodes."""
+    lines = []
+    for p in programs:
+        turns = [
+            {"input_tokens": len(t.new_tokens), "output_tokens": t.output_tokens, "tool": t.tool,
+             "tool_duration_s": round(t.pause_s, 3) if t.tool is not None else 0.0}
+            for t in p.turns
+        ]  # fmt: skip
+        session = {"session_id": "agent", "role": "agent", "turns": turns}
+        lines.append(json.dumps({"program_id": p.program_id, "arrival_s": round(p.arrival_s, 3),
+                                 "workload": "vllm-bench", "sessions": [session]}))  # fmt: skip
+    return "\n".join(lines) + "\n"
