@@ -147,7 +147,8 @@ def shared_node(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config)
     if "node" in _SHARED:
         return _SHARED["node"]
     assert VLLM_PYTHON is not None
-    from engine_adapter.vllm_backend._kv_events import KvEventSubscriber, kv_events_config
+    from engine_adapter.vllm_backend._kv_events import kv_events_config
+    from engine_adapter.vllm_backend._kv_subscriber import KvEventSubscriber
 
     root = tmp_path_factory.mktemp("vllm")
     model = root / "model"

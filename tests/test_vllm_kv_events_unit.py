@@ -1,6 +1,6 @@
-"""The KV-event fold (``engine_adapter.vllm_backend._kv_events``) on synthetic events, no vLLM needed:
-session chains across turns and shared prefixes, removal and clearing, the content index, both wire
-forms, sequence gaps and a restarted publisher."""
+"""The KV-event fold (``engine_adapter.vllm_backend._kv_events``) and its subscriber (``_kv_subscriber``)
+on synthetic events, no vLLM needed: session chains across turns and shared prefixes, removal and
+clearing, the content index, both wire forms, sequence gaps and a restarted publisher."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import msgspec
 import pytest
 import zmq
 
-from engine_adapter.vllm_backend._kv_events import KvEventSubscriber, KvResidency, decode_event_batch
+from engine_adapter.vllm_backend._kv_events import KvResidency, decode_event_batch
+from engine_adapter.vllm_backend._kv_subscriber import KvEventSubscriber
 
 BS = 4
 

@@ -179,7 +179,7 @@ async def test_hint_runtime_routes_to_the_vllm_node_holding_the_session(node: No
 
 
 def test_kv_events_residency_matches_the_prefix_hit_and_the_sidecar_serves_it(node: Node) -> None:
-    from engine_adapter.vllm_backend._kv_events import serve_sidecar
+    from engine_adapter.vllm_backend._kv_sidecar import serve_sidecar
 
     assert node.state().pinned_blocks == 0  # nothing pinned: the flood below can evict everything
     p = _prompt(63, 5 * BS + 10)

@@ -10,30 +10,24 @@ session or program, INVALID_ARGUMENT for a hint that does not decode, and a bad 
 stream. Other RPCs of the service (Generate, export/import) answer UNIMPLEMENTED: requests go through
 vLLM's OpenAI server.
 
-``WatchCacheState`` follows the embedded node's contract (the state now, then on change at most every
-``watch_min_period_s`` and at least every ``interval_s``), so ``HintRuntime``'s router reads a vLLM node
-as it reads an embedded one. vLLM keeps no state version, so :class:`SchedulerStateVersion` makes one: a
-counter that moves when a cheap signature of the node (free and pinned blocks, queue lengths, backlog,
-sessions, hints applied) changes; it starts again at 1 when the node restarts, which is how the router
-tells a restart. Each open stream holds one thread of the server's pool (``MAX_WORKERS``).
+``GetCacheState`` / ``WatchCacheState`` answer from ``_cache_state`` (the state, its version and the watch
+contract). Each open stream holds one thread of the server's pool (``MAX_WORKERS``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from hints import (
-    CacheState,
     EvictionOrder,
     Expect,
     HintAck,
@@ -49,8 +43,8 @@ from hints import (
     cache_state_to_proto,
     engine_pb2_grpc,
 )
-from hints._models import SessionResidency
 
+from ._cache_state import SchedulerStateVersion, serve_watch
 from ._metrics import HintStats, MetricsServer, start_metrics_server
 
 if TYPE_CHECKING:
@@ -58,13 +52,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_WORKERS",
-    "CacheStateSource",
     "HintServer",
-    "SchedulerStateVersion",
     "apply_hints",
-    "cache_state",
     "start_hint_server",
-    "watch_cache_states",
 ]
 
 MAX_WORKERS = 32
@@ -179,120 +169,6 @@ def _apply(sched: HintflowScheduler, i: int, h: HintModel | HintDecodeError) -> 
     raise _Invalid(f"unsupported hint {type(h).__name__}")
 
 
-def cache_state(sched: HintflowScheduler, include_sessions: bool, version: int = 0) -> CacheState:
-    """The node's state in the protocol's terms, read under the scheduler lock."""
-    with sched.hint_lock:
-        sched.book.expire()
-        pool = sched.kv_cache_manager.block_pool
-        bs = sched.block_size
-        sessions = []
-        if include_sessions:
-            for s in sched.book.sessions.values():
-                sessions.append(
-                    SessionResidency(
-                        session_id=s.session_id,
-                        program_id=s.program_id,
-                        device_tokens=s.resident_blocks() * bs,
-                        pinned=bool(s.held),
-                        state=s.state,  # type: ignore[arg-type]
-                    )
-                )
-        return CacheState(
-            node_id=sched.node_id,
-            model_name=sched.model_name,
-            block_size=bs,
-            total_blocks=sched.book.num_blocks,
-            free_blocks=pool.get_num_free_blocks(),
-            pinned_blocks=sched.book.num_pinned_blocks,
-            host_total_blocks=0,
-            host_free_blocks=0,
-            num_waiting=len(sched.waiting),
-            num_running=len(sched.running),
-            prefill_backlog_tokens=sched.prefill_backlog_tokens(),
-            sessions=sessions,
-            node_time_s=sched.book.clock(),
-            version=version,
-        )
-
-
-class CacheStateSource(Protocol):
-    """What ``WatchCacheState`` streams: a state (carrying its version) and a cheap current version."""
-
-    def state(self, include_sessions: bool) -> CacheState: ...
-
-    def version(self) -> int: ...
-
-
-class SchedulerStateVersion:
-    """A version for a vLLM node's cache state: bumps when a cheap signature of the node changes."""
-
-    def __init__(self, sched: HintflowScheduler) -> None:
-        self.sched = sched
-        self._lock = threading.Lock()
-        self._signature: tuple[int, ...] | None = None
-        self._version = 0
-        self._hint_batches = 0
-
-    def hints_applied(self) -> None:
-        with self._lock:
-            self._hint_batches += 1
-
-    def _current(self) -> tuple[int, ...]:
-        """Called under the scheduler lock."""
-        sched = self.sched
-        return (
-            sched.kv_cache_manager.block_pool.get_num_free_blocks(),
-            sched.book.num_pinned_blocks,
-            len(sched.waiting),
-            len(sched.running),
-            sched.prefill_backlog_tokens(),
-            len(sched.book.sessions),
-        )
-
-    def _observe(self, signature: tuple[int, ...]) -> int:
-        with self._lock:
-            signature = (*signature, self._hint_batches)
-            if signature != self._signature:
-                self._signature = signature
-                self._version += 1
-            return self._version
-
-    def version(self) -> int:
-        with self.sched.hint_lock:
-            self.sched.book.expire()
-            signature = self._current()
-        return self._observe(signature)
-
-    def state(self, include_sessions: bool) -> CacheState:
-        with self.sched.hint_lock:
-            self.sched.book.expire()
-            version = self._observe(self._current())
-            return cache_state(self.sched, include_sessions, version)
-
-
-def watch_cache_states(
-    source: CacheStateSource,
-    include_sessions: bool,
-    interval_s: float,
-    min_period_s: float,
-    closing: threading.Event,
-    active: Callable[[], bool] = lambda: True,
-) -> Iterator[CacheState]:
-    """The state now, then whenever its version moves (checked every ``min_period_s``) and at least every
-    ``interval_s``, until ``closing`` is set or ``active()`` turns false (the client went away)."""
-    while not closing.is_set() and active():
-        state = source.state(include_sessions)
-        yield state
-        sent_at = time.monotonic()
-        while not closing.is_set() and active():
-            left = sent_at + interval_s - time.monotonic()
-            if left <= 0:
-                break
-            closing.wait(min(min_period_s, left))
-            if source.version() != state.version:
-                break
-
-
 class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
     def __init__(
         self,
@@ -336,25 +212,6 @@ class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
         yield from serve_watch(
             self.states, request, context, self.watch_interval_s, self.watch_min_period_s, self.closing
         )
-
-
-def serve_watch(
-    source: CacheStateSource,
-    request: Any,
-    context: grpc.ServicerContext,
-    default_interval_s: float,
-    min_period_s: float,
-    closing: threading.Event,
-) -> Iterator[Any]:
-    """``WatchCacheState`` on a sync gRPC server: validate the interval, then stream protos."""
-    interval = request.interval_s
-    if not math.isfinite(interval) or interval < 0:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"interval_s must be >= 0, got {interval}")
-    interval = max(interval or default_interval_s, min_period_s)
-    for state in watch_cache_states(
-        source, request.include_sessions, interval, min_period_s, closing, context.is_active
-    ):
-        yield cache_state_to_proto(state)
 
 
 @dataclass

@@ -14,7 +14,7 @@ multiprocess directory and show up a second time on vLLM's own ``/metrics``.
 What has no meaning here, or no source without a scheduler hook (see the README): the host tier
 (``hintflow_kv_host_*``, offload/reload/prefetch counters: no host tier on this backend), per-request
 accounting (TTFT, queue wait, prompt tokens by source, across-turn hits: vLLM's ``vllm:*`` series cover
-the first three), ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_events`` counts it
+the first three), ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_sidecar`` counts it
 from ``BlockRemoved``), ``hintflow_preemptions_total`` (``vllm:num_preemptions_total``) and the step
 duration.
 """
