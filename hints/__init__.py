@@ -47,6 +47,8 @@ if TYPE_CHECKING:
         Release,
         SessionResidency,
     )
+    from hints._nodes import EngineSpec, parse_engine
+    from hints._vllm_client import VllmClient, VllmError, VllmFailed, VllmRejected, VllmUnreachable
 
 __all__ = [
     "MAX_HORIZON_S",
@@ -54,6 +56,7 @@ __all__ = [
     "CacheState",
     "DecodedBatch",
     "EngineClient",
+    "EngineSpec",
     "EvictionOrder",
     "Expect",
     "GenerateChunk",
@@ -70,6 +73,11 @@ __all__ = [
     "Priority",
     "Release",
     "SessionResidency",
+    "VllmClient",
+    "VllmError",
+    "VllmFailed",
+    "VllmRejected",
+    "VllmUnreachable",
     "ack_from_proto",
     "ack_to_proto",
     "batch_from_proto",
@@ -81,10 +89,13 @@ __all__ = [
     "engine_pb2_grpc",
     "hint_from_proto",
     "hint_to_proto",
+    "parse_engine",
 ]
 
 _MODULES = frozenset({"engine_pb2", "engine_pb2_grpc"})
 _CLIENT = frozenset({"EngineClient", "GenerateChunk", "GenerateResult"})
+_NODES = frozenset({"EngineSpec", "parse_engine"})
+_VLLM = frozenset({"VllmClient", "VllmError", "VllmFailed", "VllmRejected", "VllmUnreachable"})
 _CONVERT = frozenset(
     {
         "DecodedBatch",
@@ -109,7 +120,13 @@ def __getattr__(name: str) -> Any:
     if name in _MODULES:
         value = importlib.import_module(f"{__name__}.{name}")
     else:
-        source = "._client" if name in _CLIENT else "._convert" if name in _CONVERT else "._models"
+        source = (
+            "._client" if name in _CLIENT
+            else "._nodes" if name in _NODES
+            else "._vllm_client" if name in _VLLM
+            else "._convert" if name in _CONVERT
+            else "._models"
+        )  # fmt: skip
         value = getattr(importlib.import_module(source, __name__), name)
     globals()[name] = value
     return value
