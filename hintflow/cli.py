@@ -213,11 +213,18 @@ def serve(
             )
         from engine_adapter.vllm_backend._serve import serve_vllm
 
+        host, port = overrides.get("host") or "127.0.0.1", overrides.get("port") or 8000
+        if hint_port:  # how orchestrators name this node (hintflow worker/run --engines, HintRuntime)
+            import os
+
+            hint_host = os.environ.get("HINTFLOW_HINT_HOST", "127.0.0.1")  # where the scheduler binds it
+            spec = f"vllm+http://{host}:{port}?hints={hint_host}:{hint_port}"
+            click.echo(f"hintflow: orchestrators name this node --engines {spec}", err=True)
         raise SystemExit(
             serve_vllm(
                 vllm_model,
-                host=overrides.get("host") or "127.0.0.1",
-                port=overrides.get("port") or 8000,
+                host=host,
+                port=port,
                 hint_port=hint_port,
                 metrics_port=overrides.get("metrics_port"),
                 pin_budget=overrides.get("pin_budget_fraction") or 0.5,
@@ -474,18 +481,21 @@ def demo(
 
 # ---- Temporal: worker and example programs ---------------------------------------------------------------
 class CommaStrs(click.ParamType):
-    """A comma-separated list of host:port addresses."""
+    """A comma-separated list of engine nodes: ``HOST:PORT`` or ``vllm+http://HOST:PORT?hints=HOST:PORT``."""
 
-    name = "HOST:PORT,..."
+    name = "ENGINE,..."
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[str]:
+        from hints._nodes import parse_engine
+
         if isinstance(value, list | tuple):
             return list(value)
         out = [p.strip() for p in str(value).split(",") if p.strip()]
         for a in out:
-            host, sep, port = a.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                self.fail(f"{a!r} is not HOST:PORT", param, ctx)
+            try:
+                parse_engine(a)
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
         return out
 
 
@@ -494,7 +504,9 @@ def _temporal_options(f: Any) -> Any:
         "--engines",
         type=CommaStrs(),
         default="",
-        help="Engine nodes HOST:PORT,...  [default: start one local torch node]",
+        help="Engine nodes, comma-separated: HOST:PORT (embedded node) or "
+        "vllm+http://HOST:PORT?hints=HOST:PORT[&model=NAME] (vLLM node: OpenAI server, hint service).  "
+        "[default: start one local torch node]",
     )(f)
     return click.option(
         "--temporal", default=None, help="Temporal frontend HOST:PORT.  [default: start a local dev server]"

@@ -7,7 +7,13 @@ One ``HintRuntime`` per worker process.  It owns
 * a ``Router`` fed by one ``WatchCacheState`` stream per node (reconnected with backoff when a node goes
   away, so a node that comes back is used again);
 * one ``HintPublisher`` per node (its own ``PushHints`` stream, reconnects, ages queued hints);
-* one ``EngineClient`` per node for ``Generate``.
+* one client per node for the turns: an ``EngineClient`` (``Generate``) for an embedded node, a
+  ``VllmClient`` (vLLM's OpenAI ``/v1/completions``) for a vLLM node.
+
+Nodes are named as ``hints.parse_engine`` reads them: ``HOST:PORT`` for an embedded node, and
+``vllm+http://HOST:PORT?hints=HOST:PORT`` for a vLLM node, whose hints and cache state go to its hint
+service (``hints=``) exactly as to an embedded node; only its turns take the HTTP path.  The runtime keys
+its router, reports and ``LLMResult.node`` by the spec's canonical name.
 
 Hints about a session go to the node holding it (unknown sessions, e.g. model calls that did not go through
 our nodes, go to every node; the node answers NOT_FOUND where it has no such session).  ``Release`` goes to
@@ -28,7 +34,21 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from hints import EngineClient, EvictionOrder, HintAck, HintModel, Pin, Release
+from hints import (
+    EngineClient,
+    EngineSpec,
+    EvictionOrder,
+    GenerateResult,
+    HintAck,
+    HintModel,
+    Pin,
+    Release,
+    VllmClient,
+    VllmError,
+    VllmRejected,
+    VllmUnreachable,
+    parse_engine,
+)
 from orchestrator import (
     HintPolicy,
     PauseModel,
@@ -45,13 +65,19 @@ from orchestrator._router import NoNodeAvailable, Router, RouteRequest
 from workflows._api import LLMInput, LLMResult, decode_text
 from workflows._publisher import HintPublisher
 
-__all__ = ["EngineUnavailable", "HintRuntime", "InvalidPrompt", "ProgramStats"]
+__all__ = ["EngineUnavailable", "HintRuntime", "InvalidPrompt", "ProgramStats", "turn_client"]
 
 logger = logging.getLogger(__name__)
 
 
 MAX_PROGRAMS = 10_000  # finished programs (and sessions) whose stats are kept for reports
 MAX_EVENTS = 100_000
+
+
+def turn_client(spec: str | EngineSpec) -> EngineClient | VllmClient:
+    """The client that runs turns on ``spec``'s node: ``Generate`` over gRPC, or vLLM's OpenAI HTTP API."""
+    spec = parse_engine(spec)
+    return VllmClient(spec.http_base, spec.model) if spec.is_vllm else EngineClient(spec.hint_address)
 
 
 class EngineUnavailable(RuntimeError):
@@ -88,7 +114,7 @@ class _SessionInfo:
 class HintRuntime:
     def __init__(
         self,
-        engines: Sequence[str],
+        engines: Sequence[str | EngineSpec],
         policy: str | HintPolicy = "hintflow",
         *,
         routing: str = "hintflow",
@@ -101,7 +127,9 @@ class HintRuntime:
     ) -> None:
         if not engines:
             raise ValueError("HintRuntime needs at least one engine address (host:port)")
-        self.engines = list(dict.fromkeys(engines))
+        specs = [parse_engine(e) for e in engines]
+        self.specs: dict[str, EngineSpec] = {s.name: s for s in specs}  # by name, first kept
+        self.engines = list(self.specs)
         self.prefill = PrefillEstimator(prefill_reload_s)
         # Live ticks arrive late by a few periods on a busy machine: renew leases 5 ticks before they
         # lapse (and never lease for less), so a renewed pin has no gap.  Replay ticks exactly: 0 there.
@@ -134,7 +162,7 @@ class HintRuntime:
             registry=self.registry,
         )
         self.publishers: dict[str, HintPublisher] = {}
-        self.clients: dict[str, EngineClient] = {}
+        self.clients: dict[str, EngineClient | VllmClient] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
 
@@ -143,11 +171,11 @@ class HintRuntime:
         if self._started:
             return
         self._started = True
-        for addr in self.engines:
-            pub = HintPublisher(addr, registry=self.registry, on_ack=self._on_ack)
+        for addr, spec in self.specs.items():
+            pub = HintPublisher(spec.hint_address, registry=self.registry, on_ack=self._on_ack)
             pub.start()
             self.publishers[addr] = pub
-            self.clients[addr] = EngineClient(addr)
+            self.clients[addr] = turn_client(spec)
             self._tasks.append(asyncio.create_task(self._watch(addr), name=f"hintflow-watch-{addr}"))
         self._tasks.append(asyncio.create_task(self._tick_loop(), name="hintflow-tick"))
 
@@ -180,7 +208,7 @@ class HintRuntime:
         """Keep the router's view of ``addr`` fresh; drop the node while it is unreachable."""
         backoff_s = 0.1
         while True:
-            client = EngineClient(addr)
+            client = EngineClient(self.specs[addr].hint_address)
             try:
                 async for state in client.watch_cache_state(self.watch_interval_s, include_sessions=True):
                     self.router.update(addr, state, time.monotonic())
@@ -373,9 +401,18 @@ class HintRuntime:
             self.router.started(addr, req)
             t0 = time.monotonic()
             try:
-                res = await self.clients[addr].generate(
+                res: GenerateResult = await self.clients[addr].generate(
                     inp.prompt_token_ids, inp.max_new_tokens, inp.session_id, program_id
                 )
+            except VllmRejected as exc:  # HTTP 400 from a vLLM node: the same as INVALID_ARGUMENT
+                raise InvalidPrompt(f"node {addr} refused the prompt: {exc.message}") from None
+            except VllmUnreachable as exc:  # the same as UNAVAILABLE: try another node
+                tried.append(addr)
+                self.router.remove(addr)
+                last_error = f"{addr}: {exc}"
+                continue
+            except VllmError as exc:
+                raise EngineUnavailable(f"node {addr} failed the call: {exc}") from None
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -385,7 +422,10 @@ class HintRuntime:
                     self.router.remove(addr)
                     last_error = f"{addr}: {code.name} {exc.details()}"
                     continue
-                raise EngineUnavailable(f"node {addr} failed the call: {code.name} {exc.details()}") from None
+                why = f"{code.name} {exc.details()}"
+                if code == grpc.StatusCode.UNIMPLEMENTED:  # e.g. a vLLM node's hint service named as HOST:PORT
+                    why += f" (a vLLM node? name it vllm+http://HOST:PORT?hints={addr})"
+                raise EngineUnavailable(f"node {addr} failed the call: {why}") from None
             finally:
                 self.router.finished(addr, inp.session_id)
             s.context_tokens = len(inp.prompt_token_ids) + len(res.token_ids)
