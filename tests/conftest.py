@@ -3,7 +3,9 @@
 The Temporal Python SDK (1.35) can abort at interpreter exit ("PyGILState_Release", exit 134/139) even
 after every worker and environment was shut down.  So the run's status is kept when the session finishes
 and the process ends with ``os._exit(status)`` once pytest has written its report: same result, no
-teardown lottery.
+teardown lottery.  The exit is the *last* of the config's cleanups (registered first, and they run last in,
+first out), not a ``pytest_unconfigure`` hook: cleanups run after those hooks, so exiting there skipped
+every ``config.add_cleanup`` (the shared vLLM server's stop: each run left a 3 GB server behind).
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _exit_status = int(exitstatus)
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
+def pytest_configure(config: pytest.Config) -> None:
+    config.add_cleanup(_hard_exit)  # before any test module adds one: it runs after all of them
+
+
+def _hard_exit() -> None:
     if _exit_status is None or os.environ.get("HINTFLOW_NO_HARD_EXIT"):
         return
     sys.stdout.flush()
