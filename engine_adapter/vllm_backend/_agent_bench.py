@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from ._agent_workload import (
 )
 from ._serve import REPO, build_vllm_command, start_vllm, stop_vllm, wait_healthy
 
-__all__ = ["MODES", "main", "run_mode", "summarize"]
+__all__ = ["MODES", "ensure_model", "main", "max_model_len_for", "run_mode", "summarize", "verdict"]
 
 MODES = ("vanilla", "hintflow-infer", "hintflow-orchestrator")
 
@@ -70,11 +71,16 @@ def summarize(results: list[ProgramResult], wall_s: float) -> dict[str, Any]:
         "errors": sorted({r.error for r in results if r.error})[:3],
         "turns": len(turns),
         "jct_mean_s": sum(jct) / len(jct) if jct else math.nan,
+        "jct_p50_s": _q(jct, 0.5),
         "jct_p90_s": _q(jct, 0.9),
+        "jct_p99_s": _q(jct, 0.99),
         "ttft_mean_s": sum(ttft) / len(ttft) if ttft else math.nan,
         "ttft_p50_s": _q(ttft, 0.5),
+        "ttft_p90_s": _q(ttft, 0.9),
         "ttft_p99_s": _q(ttft, 0.99),
         "across_turn_hit_rate": hits / already if already else math.nan,
+        "across_turn_tokens": already,
+        "across_turn_hit_tokens": hits,
         "prompt_tokens": sum(t.prompt_tokens for t in turns),
         "cached_tokens": sum(t.cached_tokens for t in turns),
         "wall_s": wall_s,
@@ -84,9 +90,11 @@ def summarize(results: list[ProgramResult], wall_s: float) -> dict[str, Any]:
 def run_mode(
     mode: str, programs: list[AgentProgram], *, model: Path, python: str, state: Path, num_blocks: int,
     max_model_len: int, pin_budget: float, extra_args: list[str], aging_s: float | None = None,
-    hint_env: dict[str, str] | None = None,
+    hint_env: dict[str, str] | None = None, progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Start this mode's server, replay the programs, stop it; the mode's summary."""
+    """Start this mode's server, replay the programs, stop it; the mode's summary.
+
+    ``progress(1)`` is called as each program finishes (from the client threads)."""
     port, hint_port = _free_port(), _free_port()
     hintflow = mode != "vanilla"
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
@@ -105,7 +113,7 @@ def run_mode(
     pusher = None
     try:
         wait_healthy(proc, base, log)
-        warm = AgentProgram("warmup", 0.0, programs[0].turns[:1])
+        warm = AgentProgram("warmup", 0.0, programs[0].all_sessions[0].turns[:1])
         run_program(base, str(model), warm, time.monotonic(), "plain")
         if mode == "hintflow-orchestrator":
             pusher = HintPusher(f"127.0.0.1:{hint_port}")
@@ -113,6 +121,9 @@ def run_mode(
         t0 = time.monotonic() + 0.5
         with ThreadPoolExecutor(max_workers=len(programs)) as pool:
             futs = [pool.submit(run_program, base, str(model), p, t0, client_mode, pusher) for p in programs]
+            if progress is not None:
+                for f in futs:
+                    f.add_done_callback(lambda _f: progress(1))
             results = [f.result() for f in futs]
         out = summarize(results, time.monotonic() - t0)
         dump = [{"program": r.program_id, "arrival_s": r.arrival_s, "jct_s": r.jct_s, "error": r.error,
@@ -128,7 +139,8 @@ def run_mode(
         stop_vllm(proc)
 
 
-def _ensure_model(python: str, model: Path) -> None:
+def ensure_model(python: str, model: Path) -> None:
+    """Build the tiny model into ``model`` with the Python that has vLLM, unless a model is there."""
     if (model / "config.json").exists():
         return
     cmd = [python, "-c", "import sys; from engine_adapter.vllm_backend._tiny_model import make_tiny_model; "
@@ -136,7 +148,12 @@ def _ensure_model(python: str, model: Path) -> None:
     subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
 
 
-def _verdict(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def max_model_len_for(programs: list[AgentProgram]) -> int:
+    """``--max-model-len``: the longest request (prompt and output) and some room, in whole blocks."""
+    return BLOCK * math.ceil((max(p.max_context for p in programs) + 16) / BLOCK)
+
+
+def verdict(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's Done-when, per hintflow mode, against vanilla."""
     v = modes.get("vanilla")
     out: dict[str, Any] = {}
@@ -193,8 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     state = a.state_dir.resolve()
     state.mkdir(parents=True, exist_ok=True)
     model = (a.model or state / "tiny-model").resolve()
-    _ensure_model(a.python, model)
-    max_len = BLOCK * math.ceil((max(p.max_context for p in programs) + 16) / BLOCK)
+    ensure_model(a.python, model)
+    max_len = max_model_len_for(programs)
     blocks, live = pool_blocks_for(programs, fraction=a.pool_fraction)
     blocks = a.num_blocks or blocks
     floor = max_len // BLOCK + 1
@@ -214,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             hint_env=hint_env,
         )  # fmt: skip
         print(json.dumps({mode: report["modes"][mode]}), file=sys.stderr)
-    report["verdict"] = _verdict(report["modes"])
+    report["verdict"] = verdict(report["modes"])
     text = json.dumps(report, indent=2)
     if a.out:
         a.out.write_text(text)

@@ -5,8 +5,10 @@ Why threads and urllib: the main environment has no async HTTP client, a program
 to first token is the first streamed chunk; the final chunk's ``usage.prompt_tokens_details`` says how many
 prompt tokens vLLM found in its prefix cache. What the request carries depends on the mode: always
 ``session_id`` and ``vllm_xargs.program_id``; in ``infer`` mode also ``tool`` (the tool this turn's answer
-will run) and ``is_last_turn``, which is all the engine-side inference gets; in ``orchestrator`` mode the
-client's own events feed a :class:`HintPolicy` whose hints go over gRPC ``PushHints``.
+will run) and ``is_last_turn`` (a session's last turn while no other session of the program is left),
+which is all the engine-side inference gets; in ``orchestrator`` mode the client's own events feed a
+:class:`HintPolicy` whose hints go over gRPC ``PushHints``. A program of several sessions runs each on
+its own thread once the sessions it waits on (``after``, AND or OR join) have finished.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._agent_workload import AgentProgram
+from ._agent_workload import AgentProgram, AgentSession
 
 __all__ = ["HintPusher", "ProgramResult", "TurnResult", "run_program"]
 
@@ -32,7 +35,8 @@ class TurnResult:
     latency_s: float
     prompt_tokens: int
     cached_tokens: int
-    already_sent_tokens: int  # of this prompt, tokens an earlier turn of the program had sent
+    already_sent_tokens: int  # of this prompt, tokens an earlier turn of the session had sent
+    session_id: str = ""  # the request's session_id
 
 
 @dataclass
@@ -137,6 +141,61 @@ def _stream_completion(base: str, body: dict[str, Any], timeout_s: float) -> tup
     return ttft, usage
 
 
+def _run_session(
+    base: str,
+    model: str,
+    pid: str,
+    session: AgentSession,
+    sid: str,
+    t0: float,
+    mode: str,
+    pusher: HintPusher | None,
+    timeout_s: float,
+    record: Callable[[TurnResult], None],
+    is_last_program_turn: Callable[[], bool],
+) -> None:
+    """One session's turns in order (each its whole context so far), with its tools' pauses; raises on error.
+
+    ``sid`` is the request's ``session_id``; ``is_last_program_turn()`` (asked before the session's last
+    turn) says whether no other session of the program is left, which is when ``infer`` mode flags it.
+    """
+    from orchestrator._policy import ToolEnded, ToolStarted, TurnEnded, TurnStarted
+
+    context: list[int] = []
+
+    def now() -> float:
+        return time.monotonic() - t0
+
+    for k, turn in enumerate(session.turns):
+        already = len(context)
+        context.extend(turn.new_tokens)
+        xargs: dict[str, Any] = {"program_id": pid}
+        if mode == "infer":
+            if turn.tool:
+                xargs["tool"] = turn.tool
+            xargs["is_last_turn"] = k == len(session.turns) - 1 and is_last_program_turn()
+        body = {
+            "model": model, "prompt": context, "max_tokens": turn.output_tokens, "min_tokens": turn.output_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "session_id": sid, "vllm_xargs": xargs,
+        }  # fmt: skip
+        sent = now()
+        if pusher is not None:
+            pusher.event(TurnStarted(pid, sid, sent, len(context)))
+        ttft, usage = _stream_completion(base, body, timeout_s)
+        end = now()
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        record(TurnResult(sent, ttft, end - sent, int(usage.get("prompt_tokens", 0)), cached, already, sid))
+        if pusher is not None:
+            pusher.event(TurnEnded(pid, sid, end, len(context) + turn.output_tokens))
+        if turn.tool is not None:
+            if pusher is not None:
+                pusher.event(ToolStarted(pid, sid, turn.tool, end, len(context) + turn.output_tokens))
+            time.sleep(turn.pause_s)
+            if pusher is not None:
+                pusher.event(ToolEnded(pid, sid, turn.tool, now(), turn.pause_s))
+
+
 def run_program(
     base: str,
     model: str,
@@ -146,49 +205,73 @@ def run_program(
     pusher: HintPusher | None = None,
     timeout_s: float = 600.0,
 ) -> ProgramResult:
-    """Run ``prog`` from ``t0 + arrival_s`` (monotonic clock); ``mode`` is ``plain``, ``infer`` or ``orchestrator``."""
-    from orchestrator._policy import ProgramEnded, ToolEnded, ToolStarted, TurnEnded, TurnStarted
+    """Run ``prog`` from ``t0 + arrival_s`` (monotonic clock); ``mode`` is ``plain``, ``infer`` or ``orchestrator``.
+
+    A one-session program runs on this thread, its ``session_id`` the program id. A program of several
+    sessions (``AgentProgram.sessions``) runs each on a thread of its own, started when the program arrives
+    (no ``after``) or when all (``join="and"``) or the first (``"or"``) of its ``after`` sessions finished;
+    its ``session_id`` is ``PROGRAM/SESSION``. The first error ends the program: sessions not yet started
+    never start, running ones finish their turns, and the result carries the error.
+    """
+    from orchestrator._policy import ProgramEnded
 
     time.sleep(max(0.0, t0 + prog.arrival_s - time.monotonic()))
     res = ProgramResult(prog.program_id, prog.arrival_s)
-    pid = sid = prog.program_id
-    context: list[int] = []
+    sessions = prog.all_sessions
+    lock = threading.Condition()
+    started: set[str] = set()
+    finished: set[str] = set()
+    threads: list[threading.Thread] = []
 
-    def now() -> float:
-        return time.monotonic() - t0
+    def record(t: TurnResult) -> None:
+        with lock:
+            res.turns.append(t)
 
-    try:
-        for k, turn in enumerate(prog.turns):
-            already = len(context)
-            context.extend(turn.new_tokens)
-            xargs: dict[str, Any] = {"program_id": pid}
-            if mode == "infer":
-                if turn.tool:
-                    xargs["tool"] = turn.tool
-                xargs["is_last_turn"] = k == len(prog.turns) - 1
-            body = {
-                "model": model, "prompt": context, "max_tokens": turn.output_tokens, "min_tokens": turn.output_tokens,
-                "ignore_eos": True, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, "session_id": sid, "vllm_xargs": xargs,
-            }  # fmt: skip
-            sent = now()
-            if pusher is not None:
-                pusher.event(TurnStarted(pid, sid, sent, len(context)))
-            ttft, usage = _stream_completion(base, body, timeout_s)
-            end = now()
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-            res.turns.append(TurnResult(sent, ttft, end - sent, int(usage.get("prompt_tokens", 0)), cached, already))
-            if pusher is not None:
-                pusher.event(TurnEnded(pid, sid, end, len(context) + turn.output_tokens))
-            if turn.tool is not None:
-                if pusher is not None:
-                    pusher.event(ToolStarted(pid, sid, turn.tool, end, len(context) + turn.output_tokens))
-                time.sleep(turn.pause_s)
-                if pusher is not None:
-                    pusher.event(ToolEnded(pid, sid, turn.tool, now(), turn.pause_s))
-    except Exception as e:  # one failed program is reported, the run goes on
-        res.error = f"{type(e).__name__}: {e}"
-    res.end_s = now()
+    def is_last(sid: str) -> Callable[[], bool]:
+        def last() -> bool:
+            with lock:
+                return finished == {s.session_id for s in sessions} - {sid}
+        return last
+
+    def run(s: AgentSession) -> None:
+        """This session's turns, then the successors it unblocks (``lock`` held by nobody on entry)."""
+        rid = prog.program_id if not prog.sessions else f"{prog.program_id}/{s.session_id}"
+        try:
+            _run_session(base, model, prog.program_id, s, rid, t0, mode, pusher, timeout_s, record,
+                         is_last(s.session_id))  # fmt: skip
+        except Exception as e:  # one failed program is reported, the run goes on
+            msg = f"{type(e).__name__}: {e}"
+            with lock:
+                if not res.error:
+                    res.error = f"session {s.session_id}: {msg}" if prog.sessions else msg
+        with lock:
+            finished.add(s.session_id)
+            if not res.error:
+                for nxt in sessions:
+                    ready = nxt.join == "or" or all(d in finished for d in nxt.after)
+                    if s.session_id in nxt.after and nxt.session_id not in started and ready:
+                        start(nxt)
+            lock.notify_all()
+
+    def start(s: AgentSession) -> None:  # with ``lock`` held
+        started.add(s.session_id)
+        th = threading.Thread(target=run, args=(s,), name=f"{prog.program_id}/{s.session_id}", daemon=True)
+        threads.append(th)
+        th.start()
+
+    if len(sessions) == 1:
+        started.add(sessions[0].session_id)
+        run(sessions[0])
+    else:
+        with lock:
+            for s in sessions:
+                if not s.after:
+                    start(s)
+            lock.wait_for(lambda: finished == started)
+        for th in threads:
+            th.join()
+    res.turns.sort(key=lambda t: t.sent_s)
+    res.end_s = time.monotonic() - t0
     if pusher is not None:
-        pusher.event(ProgramEnded(pid, res.end_s, len(res.turns)))
+        pusher.event(ProgramEnded(prog.program_id, res.end_s, len(res.turns)))
     return res
