@@ -22,7 +22,7 @@ def test_metrics_port_goes_to_the_engine_core_beside_the_hint_service(
     _, env = build_vllm_command("m", hint_port=9001, metrics_port=9002, **kw)
     assert env["HINTFLOW_HINT_PORT"] == "9001" and env["HINTFLOW_METRICS_PORT"] == "9002"
     _, env = build_vllm_command("m", metrics_port=0, **kw)
-    assert env["HINTFLOW_METRICS_PORT"] == "0" and env["HINTFLOW_HINT_PORT"] == "0"  # metrics start with it
+    assert env["HINTFLOW_METRICS_PORT"] == "0" and "HINTFLOW_HINT_PORT" not in env  # the scheduler starts them
     for off in (None, -1):
         _, env = build_vllm_command("m", metrics_port=off, **kw)
         assert "HINTFLOW_METRICS_PORT" not in env and "HINTFLOW_HINT_PORT" not in env

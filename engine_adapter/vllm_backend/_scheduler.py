@@ -130,6 +130,14 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
 
             self.hint_server = start_hint_server(self, int(port), os.environ.get("HINTFLOW_HINT_HOST", "127.0.0.1"))
             log.info("hintflow hint service on port %d", self.hint_server.port)
+        self.metrics_server: Any = None  # /metrics without a hint service (with one, it serves them)
+        metrics_port = int(os.environ.get("HINTFLOW_METRICS_PORT", "-1") or "-1")
+        if self.hint_server is None and metrics_port >= 0:
+            from ._metrics import start_metrics_server
+
+            mhost = os.environ.get("HINTFLOW_METRICS_HOST", "127.0.0.1")
+            self.metrics_server = start_metrics_server(self, metrics_port, mhost)
+            log.info("hintflow metrics on http://%s:%d/metrics", mhost, self.metrics_server.port)
         if not self.pins_supported:
             log.warning("hintflow: pins need prefix caching and one KV cache group; hints are only recorded")
 
@@ -364,6 +372,9 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
         if self.hint_server is not None:
             self.hint_server.stop()
             self.hint_server = None
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
         super().shutdown()
 
     # ---- for the hint service and tests -------------------------------------------------------------

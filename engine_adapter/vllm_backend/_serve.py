@@ -111,8 +111,6 @@ def build_vllm_command(
         if metrics_port is not None and metrics_port >= 0:
             env["HINTFLOW_METRICS_PORT"] = str(metrics_port)
             env.setdefault("HINTFLOW_METRICS_HOST", host)
-            if hint_port is None:
-                env["HINTFLOW_HINT_PORT"] = "0"  # metrics are started beside the hint service
         if pin_budget is not None:
             env["HINTFLOW_PIN_BUDGET"] = str(pin_budget)
         if node_id:
