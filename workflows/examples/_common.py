@@ -35,13 +35,17 @@ class ProgramReport:
     turns: list[TurnReport] = field(default_factory=list)
 
     def add(self, session_id: str, history: int, res: LLMResult) -> TurnReport:
+        # Recomputed = history the turn did not find, wherever it ran: a node the router moved the
+        # session to never saw that history (and a vLLM node reports none), so the node alone would
+        # count its re-prefill as new prompt.
+        hits = min(res.num_cached_tokens + res.num_host_hit_tokens, history)
         t = TurnReport(
             session_id,
             res.num_prompt_tokens,
             history,
             res.num_cached_tokens,
             res.num_host_hit_tokens,
-            res.num_recomputed_tokens,
+            max(res.num_recomputed_tokens, history - hits),
             res.ttft_s,
             res.queue_wait_s,
             res.latency_s,
