@@ -1,7 +1,9 @@
-"""``hintflow replay``: every policy side by side on one workload, on virtual time over modeled or torch nodes.
+"""``hintflow replay``: every policy side by side on one workload, on virtual time over modeled or torch nodes,
+or (``--backend vllm``) in real time against real vLLM servers.
 
 Thin by design: options become a ``ReplaySetup`` and a list of ``ReplayConfig``; ``run_replay`` does the
-work; ``_report`` prints, writes and draws.  Registered on the main group by ``hintflow/cli.py``.
+work; ``_report`` prints, writes and draws.  ``--backend vllm`` goes to ``_vllm_backend``, imported only
+then.  Registered on the main group by ``hintflow/cli.py``.
 """
 
 from __future__ import annotations
@@ -35,11 +37,17 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 
 
 @click.command("replay")
+@click.option("--backend", type=click.Choice(["modeled", "vllm"]), default="modeled", show_default=True,
+              help="modeled: our engine schedulers on virtual time (--executor); vllm: real vLLM servers "
+                   "from .venv-vllm in real time, one per policy, same model and KV pool (policies: vanilla, "
+                   "hintflow-infer, hintflow-orchestrator; defaults: the tiny model, 40 programs, token "
+                   "scale 0.1 for swe-agent and 0.2 for the other generators, outputs <= 32 tokens)")
 @click.option("--workload", "-w", default="swe-agent", show_default=True,
               help="generator (swe-agent, multi-agent, human-in-loop[:k=v,...]), hintflow:FILE, "
                    "mooncake:FILE, trie:FILE or a .jsonl trace")
 @click.option("--policy", "-p", "policies", default="all", show_default=True,
-              help=f"comma-separated: {', '.join(REPLAY_CONFIGS)}")
+              help=f"comma-separated: {', '.join(REPLAY_CONFIGS)}; with --backend vllm: vanilla, "
+                   "hintflow-infer, hintflow-orchestrator")
 @click.option("--nodes", "num_nodes", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--executor", type=click.Choice(["modeled", "torch"]), default="modeled", show_default=True,
               help="modeled: steps priced by the cost model; torch: the tiny torch model computes every step "
@@ -70,11 +78,27 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="write PNG plots (JCT CDF, across-turn hits, device memory) into this folder")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="tqdm bar per policy")
-def replay_command(workload: str, policies: str, num_nodes: int, executor: str, rate: float | None,
-                   num_programs: int | None, kv_capacity_tokens: int | None, host_capacity_tokens: int | None,
-                   cost_model: str | None, block_size: int | None, seed: int, ttft_deadline_s: float | None,
-                   scale: float | None, json_out: str | None, plots_dir: str | None, progress: bool) -> None:
+@click.option("--vllm-python", default=None, help="vllm: the Python that has vLLM  [default: .venv-vllm]")
+@click.option("--model", "vllm_model", type=click.Path(file_okay=False), default=None,
+              help="vllm: model folder  [default: the tiny model, built in --state-dir]")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="vllm: servers' caches, logs, per-program results  [default: TMPDIR/hintflow-replay-vllm]")
+@click.pass_context
+def replay_command(ctx: click.Context, backend: str, workload: str, policies: str, num_nodes: int, executor: str,
+                   rate: float | None, num_programs: int | None, kv_capacity_tokens: int | None,
+                   host_capacity_tokens: int | None, cost_model: str | None, block_size: int | None, seed: int,
+                   ttft_deadline_s: float | None, scale: float | None, json_out: str | None,
+                   plots_dir: str | None, progress: bool, vllm_python: str | None, vllm_model: str | None,
+                   state_dir: str | None) -> None:
     """Replay an agent workload under each policy and print the side-by-side table."""
+    from replay._vllm_backend import check_backend_options
+
+    check_backend_options(ctx, backend)
+    if backend == "vllm":
+        from replay._vllm_backend import vllm_replay
+
+        vllm_replay(ctx, _tqdm_progress(progress))
+        return
     from replay._report import dump_json, render_table, report_json, step_time_check, write_plots
     from replay._setup import ReplaySetup, run_replay
 

@@ -1,0 +1,253 @@
+"""``hintflow replay --backend vllm``: a replay workload against real vLLM nodes, one server per policy.
+
+Why its own path: the modeled replay runs programs on virtual time over our schedulers; here the same
+programs (loaded with replay's readers and generators, ``read_workload``) become the vLLM agent
+benchmark's programs (``engine_adapter.vllm_backend._agent_workload.agent_programs``: token ids per turn,
+outputs capped, pauses as in the trace, sessions with their ``after`` / ``join``) and run in real time
+against real vLLM OpenAI servers that ``_agent_bench.run_mode`` starts, one per policy, each with the same
+model and the same KV pool. The policies are the benchmark's modes: ``vanilla`` (stock vLLM),
+``hintflow-infer`` (our scheduler, hints inferred from ``program_id`` / ``tool`` / ``is_last_turn``) and
+``hintflow-orchestrator`` (our scheduler, the ``hintflow`` policy pushing hints over gRPC).
+
+The pool defaults to a third of the live programs' contexts (``pool_blocks_for``, as the benchmark), never
+less than one longest request. The benchmark is imported inside the functions, so the ``hintflow``
+command line starts without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+__all__ = ["VLLM_WORKLOAD_DEFAULTS", "check_backend_options", "parse_modes", "run_vllm_replay",
+           "vllm_replay", "vllm_table"]
+
+VLLM_WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
+    # swe-agent: the benchmark's `--workload swe-agent` defaults (contexts up to ~4k tokens on the tiny model)
+    "swe-agent": {"num_programs": 40, "rate": 1.0, "scale": 0.1},
+    "multi-agent": {"num_programs": 40, "rate": 0.5, "scale": 0.2},
+    # human-in-loop pauses are minutes of real time: a run lasts as long as its programs do
+    "human-in-loop": {"num_programs": 40, "rate": 0.5, "scale": 0.2},
+}
+"""Per generator, with ``--backend vllm``: programs, arrival rate and token scale when not given (files:
+all programs, the trace's arrivals, scale 1)."""
+
+MODELED_ONLY = {"host_capacity_tokens": "--host-capacity-tokens", "cost_model": "--cost-model",
+                "block_size": "--block-size", "ttft_deadline_s": "--ttft-deadline", "plots_dir": "--plots"}
+VLLM_ONLY = {"vllm_python": "--vllm-python", "vllm_model": "--model", "state_dir": "--state-dir"}
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+def check_backend_options(ctx: click.Context, backend: str) -> None:
+    """A usage error for options the chosen backend does not use (they would be silently ignored)."""
+    p = ctx.params
+    if backend == "vllm":
+        wrong = [flag for name, flag in MODELED_ONLY.items() if _given(ctx, name)]
+        if p.get("executor") == "torch":
+            wrong.insert(0, "--executor torch")
+        if _given(ctx, "num_nodes") and p.get("num_nodes") != 1:
+            wrong.append("--nodes (one vLLM node per policy)")
+        if wrong:
+            raise click.UsageError(f"--backend vllm runs real vLLM servers; it does not take {', '.join(wrong)}")
+    else:
+        wrong = [flag for name, flag in VLLM_ONLY.items() if _given(ctx, name)]
+        if wrong:
+            verb = "applies" if len(wrong) == 1 else "apply"
+            raise click.UsageError(f"{', '.join(wrong)} {verb} only with --backend vllm")
+
+
+def parse_modes(spec: str) -> list[str]:
+    """``--policy`` for the vLLM backend: comma-separated benchmark modes, or ``all``."""
+    from engine_adapter.vllm_backend._agent_bench import MODES
+
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(MODES)
+    unknown = [n for n in names if n not in MODES]
+    if unknown or not names:
+        from replay._policies import REPLAY_CONFIGS
+
+        modeled = [n for n in unknown if n in REPLAY_CONFIGS]
+        note = f"; {', '.join(modeled)}: --backend modeled" if modeled else ""
+        word = "policies" if len(unknown) > 1 else "policy"
+        raise ValueError(f"unknown {word} {', '.join(map(repr, unknown)) or repr(spec)} for --backend vllm; known: "
+                         f"{', '.join(MODES)} (or all){note}")
+    return list(dict.fromkeys(names))
+
+
+def _model_max_len(model: Path) -> int | None:
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    n = cfg.get("max_position_embeddings")
+    return int(n) if isinstance(n, int) else None
+
+
+def run_vllm_replay(
+    *, workload: str, modes: list[str], num_programs: int | None = None, rate: float | None = None,
+    scale: float | None = None, seed: int = 0, kv_capacity_tokens: int | None = None,
+    vllm_python: str | None = None, model: str | Path | None = None, state_dir: str | Path | None = None,
+    pin_budget: float = 0.7, progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    log: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:  # fmt: skip
+    """Load the workload, convert it, run each mode on its own server; the report (``policies``: one
+    summary per mode, ``programs``: per program and turn, ``verdict`` against vanilla, ``config``).
+
+    ``ValueError`` for a workload or sizes that cannot run, ``RuntimeError`` / ``TimeoutError`` when a
+    server does not come up (with its log's tail).
+    """
+    from engine_adapter.vllm_backend._agent_bench import (
+        ensure_model,
+        max_model_len_for,
+        run_mode,
+        verdict,
+    )
+    from engine_adapter.vllm_backend._agent_workload import BLOCK, MAX_OUTPUT, agent_programs, pool_blocks_for
+    from engine_adapter.vllm_backend._serve import find_vllm_python
+    from replay._readers import read_workload
+
+    kind = workload.partition(":")[0]
+    d = VLLM_WORKLOAD_DEFAULTS.get(kind, {})
+    num_programs = num_programs if num_programs is not None else _int_or_none(d.get("num_programs"))
+    rate = rate if rate is not None else d.get("rate")
+    scale = scale if scale is not None else d.get("scale", 1.0)
+    programs = read_workload(workload, seed=seed, rate=rate, scale=scale, limit=num_programs)
+    if not programs:
+        raise ValueError(f"workload {workload!r} has no programs")
+    agents = agent_programs(programs, seed=seed)
+    max_len = max_model_len_for(agents)
+    wanted, live = pool_blocks_for(agents, fraction=1 / 3)
+    if kv_capacity_tokens is not None:
+        wanted = math.ceil(kv_capacity_tokens / BLOCK)
+    floor = max_len // BLOCK + 1  # the pool must hold one longest request (and vLLM's null block)
+    blocks = max(wanted, floor)
+
+    python = vllm_python or find_vllm_python()
+    if python is None:
+        raise ValueError("no Python with vLLM: run scripts/install.sh vllm (creates .venv-vllm), set "
+                         "HINTFLOW_VLLM_PYTHON or pass --vllm-python")
+    state = Path(state_dir or Path(tempfile.gettempdir()) / "hintflow-replay-vllm").resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        model_dir = state / "tiny-model"
+        log(f"building the tiny model in {model_dir}" if not (model_dir / "config.json").exists() else "")
+        ensure_model(python, model_dir)
+    else:
+        model_dir = Path(model).resolve()
+        if not (model_dir / "config.json").exists():
+            raise ValueError(f"--model {model}: no config.json there (build one with `hintflow make-tiny-model DIR`)")
+    limit = _model_max_len(model_dir)
+    if limit is not None and max_len > limit:
+        raise ValueError(f"the longest request needs {max_len:,} tokens (max-model-len) but the model takes "
+                         f"{limit:,}: lower --scale")  # fmt: skip
+
+    report: dict[str, Any] = {"backend": "vllm", "policies": {}, "programs": {}, "verdict": {}}
+    report["config"] = {
+        "workload": workload, "num_programs": len(programs), "rate": rate, "scale": scale, "seed": seed,
+        "multi_session_programs": sum(1 for p in agents if len(p.all_sessions) > 1),
+        "num_turns": sum(p.num_turns for p in agents), "max_output_tokens": MAX_OUTPUT,
+        "block_size": BLOCK, "num_gpu_blocks": blocks, "kv_capacity_tokens": blocks * BLOCK,
+        "kv_capacity_tokens_wanted": wanted * BLOCK if kv_capacity_tokens is None else kv_capacity_tokens,
+        "kv_capacity_source": "--kv-capacity-tokens" if kv_capacity_tokens is not None
+        else "a third of the live programs' contexts", "expected_live_programs": live,
+        "max_model_len": max_len, "pin_budget": pin_budget, "model": str(model_dir), "vllm_python": python,
+        "state_dir": str(state), "policies": modes,
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    for mode in modes:
+        log(f"{mode}: starting a vLLM server ({blocks} blocks of {BLOCK} tokens), {len(agents)} programs")
+        cb = progress(mode, len(agents)) if progress is not None else None
+        report["policies"][mode] = run_mode(
+            mode, agents, model=model_dir, python=python, state=state, num_blocks=blocks, max_model_len=max_len,
+            pin_budget=pin_budget, extra_args=[], progress=cb,
+        )  # fmt: skip
+        report["programs"][mode] = json.loads((state / f"{mode}.programs.json").read_text())
+    report["verdict"] = verdict(report["policies"])
+    report["config"]["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+def _int_or_none(x: float | None) -> int | None:
+    return None if x is None else int(x)
+
+
+_COLUMNS = (("JCT mean", "jct_mean_s", "s"), ("JCT p90", "jct_p90_s", "s"), ("TTFT p50", "ttft_p50_s", "s"),
+            ("TTFT p99", "ttft_p99_s", "s"), ("across-turn hits", "across_turn_hit_rate", "%"),
+            ("prompt tokens", "prompt_tokens", "n"), ("cached", "cached_tokens", "n"))
+
+
+def vllm_table(report: dict[str, Any]) -> str:
+    """A markdown table like replay's; times carry (× vanilla) where vanilla ran."""
+    pols = report["policies"]
+    base = pols.get("vanilla")
+    lines = ["| policy | programs (failed) | turns | " + " | ".join(c[0] for c in _COLUMNS) + " |",
+             "|---" * (len(_COLUMNS) + 3) + "|"]
+    for name, m in pols.items():
+        cells = [f"{m['programs']} ({m['failed']})", str(m["turns"])]
+        for _, key, kind in _COLUMNS:
+            v = m[key]
+            if kind == "%":
+                cells.append(f"{v:.1%}")
+            elif kind == "n":
+                cells.append(f"{v:,}")
+            else:
+                ratio = f" ({v / base[key]:.2f}×)" if base is not None and name != "vanilla" and base[key] else ""
+                cells.append(f"{v:.2f} s{ratio}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if base is not None and len(pols) > 1:
+        lines.append("\nratios in parentheses: × vanilla")
+    for name, m in pols.items():
+        if m["failed"]:
+            lines.append(f"{name}: {m['failed']} program(s) failed: {'; '.join(m['errors'])}")
+    return "\n".join(lines)
+
+
+def vllm_replay(ctx: click.Context, progress: Callable[[str, int], Callable[[int], None]] | None) -> None:
+    """The command's vLLM half: options from ``ctx``, the run, the table, the JSON."""
+    p = ctx.params
+    try:
+        modes = parse_modes(p["policies"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--policy") from None
+
+    def log(msg: str) -> None:
+        if msg and p["progress"]:
+            click.echo(f"[replay vllm] {msg}", err=True)
+
+    try:
+        report = run_vllm_replay(
+            workload=p["workload"], modes=modes, num_programs=p["num_programs"], rate=p["rate"], scale=p["scale"],
+            seed=p["seed"], kv_capacity_tokens=p["kv_capacity_tokens"], vllm_python=p["vllm_python"],
+            model=p["vllm_model"], state_dir=p["state_dir"], progress=progress, log=log,
+        )  # fmt: skip
+    except (ValueError, OSError, RuntimeError, TimeoutError) as e:
+        raise click.ClickException(str(e)) from None
+    c = report["config"]
+    raised = (f" (raised from {c['kv_capacity_tokens_wanted']:,}: one longest request must fit)"
+              if c["kv_capacity_tokens"] > c["kv_capacity_tokens_wanted"] else "")  # fmt: skip
+    several = f" ({c['multi_session_programs']} of several sessions)" if c["multi_session_programs"] else ""
+    click.echo(f"{c['workload']}: {c['num_programs']} programs{several}, {c['num_turns']} turns, one real vLLM "
+               f"node per policy ({Path(c['model']).name}), token scale {c['scale']:g}, outputs <= "
+               f"{c['max_output_tokens']} tokens, KV pool {c['num_gpu_blocks']} blocks of {c['block_size']} = "
+               f"{c['kv_capacity_tokens']:,} tokens{raised}, max-model-len {c['max_model_len']:,}, "
+               f"{c['wall_s']:.1f} s wall")  # fmt: skip
+    click.echo(vllm_table(report))
+    if p["json_out"]:
+        Path(p["json_out"]).write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(f"JSON: {p['json_out']}")
+    failed = sum(m["failed"] for m in report["policies"].values())
+    if failed:
+        click.echo(f"{failed} program run(s) failed; logs in {c['state_dir']}", err=True)
+        ctx.exit(1)
