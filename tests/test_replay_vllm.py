@@ -1,0 +1,274 @@
+"""``hintflow replay --backend vllm``: replay's workloads against real vLLM servers.
+
+Fast (no vLLM): a replay program becomes the benchmark's token-id program with its token counts, outputs
+(capped), tools and pauses, shared prefixes shared, sessions with their ``after`` / ``join``; the client
+runs a program's sessions in dependency order (AND and OR joins) against a fake OpenAI server; options that
+do not fit the backend are usage errors.
+
+Real (skipped, saying why, only where no Python with vLLM exists: ``find_vllm_python`` as in
+tests/test_vllm_backend.py): three one-session programs of three turns from a trace file, ``vanilla`` and
+``hintflow-infer`` (two server starts), a 40-block pool; every program finishes in both, the table and the
+JSON name both modes, and the later turns hit vLLM's prefix cache under hintflow-infer.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from engine_adapter.vllm_backend._agent_client import run_program
+from engine_adapter.vllm_backend._agent_workload import (
+    MAX_OUTPUT,
+    AgentProgram,
+    AgentSession,
+    AgentTurn,
+    agent_programs,
+    export_trace,
+    pool_blocks_for,
+)
+from replay import Program, Session, Turn, dump_jsonl, generate, read_workload, replay_command
+
+
+def _trace_programs() -> list[Program]:
+    """Three one-session programs of three turns, sharing a 200-token system prompt."""
+    out = []
+    for i in range(3):
+        turns = [
+            Turn(400 + 10 * i, 8, "bash", 0.4, shared_prefix="sys", shared_prefix_tokens=200),
+            Turn(150, 40, "python", 0.2),  # output above the cap
+            Turn(120, 6),
+        ]
+        out.append(Program(f"p{i}", 0.3 * i, "test", [Session("agent", "agent", turns)]))
+    return out
+
+
+# ---- conversion ----------------------------------------------------------------------------------------
+def test_conversion_keeps_counts_pauses_and_shared_prefixes(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    dump_jsonl(_trace_programs(), path)
+    programs = read_workload(f"hintflow:{path}", seed=0)
+    agents = agent_programs(programs, seed=0)
+    assert [a.program_id for a in agents] == ["p0", "p1", "p2"]
+    for p, a in zip(programs, agents, strict=True):
+        assert a.arrival_s == p.arrival_s and not a.sessions and len(a.all_sessions) == 1
+        assert a.all_sessions[0].session_id == p.program_id  # the benchmark's shape: the session is the program
+        for t, at in zip(p.sessions[0].turns, a.turns, strict=True):
+            assert len(at.new_tokens) == t.input_tokens
+            assert at.output_tokens == min(MAX_OUTPUT, t.output_tokens)
+            assert (at.tool, at.pause_s) == (t.tool, t.tool_duration_s)
+    first = [a.turns[0].new_tokens for a in agents]
+    assert first[0][:200] == first[1][:200] == first[2][:200]  # the shared system prompt
+    assert first[0][200:210] != first[1][200:210]  # the rest is each program's own
+    # deterministic per seed and program, whatever else is replayed
+    assert agent_programs(programs[1:], seed=0)[0] == agents[1]
+    assert agent_programs(programs, seed=1)[0].turns[0].new_tokens != first[0]
+    # the trace the benchmark exports reads back with the same counts
+    back = tmp_path / "back.jsonl"
+    back.write_text(export_trace(agents))
+    again = read_workload(f"hintflow:{back}", seed=0)
+    assert [t.input_tokens for t in again[2].sessions[0].turns] == [len(t.new_tokens) for t in agents[2].turns]
+
+
+def test_conversion_keeps_sessions_and_joins() -> None:
+    programs = generate("multi-agent", seed=3, num_programs=6, scale=0.1, or_join_fraction=0.5)
+    agents = agent_programs(programs, seed=0)
+    joins = set()
+    for p, a in zip(programs, agents, strict=True):
+        assert [s.session_id for s in a.sessions] == [s.session_id for s in p.sessions]
+        for s, agent_s in zip(p.sessions, a.sessions, strict=True):
+            assert (agent_s.after, agent_s.join) == (tuple(s.after), s.join)
+            assert [len(t.new_tokens) for t in agent_s.turns] == [t.input_tokens for t in s.turns]
+            assert [t.pause_s for t in agent_s.turns] == [t.tool_duration_s for t in s.turns]
+            joins.add(s.join)
+        assert a.num_turns == p.num_turns
+    assert joins == {"and", "or"}
+    blocks, live = pool_blocks_for(agents, fraction=1 / 3)
+    assert blocks >= 1 and live > 0
+
+
+def test_critical_path_follows_and_or_joins() -> None:
+    def session(sid: str, pause: float, after: tuple[str, ...] = (), join: str = "and") -> AgentSession:
+        return AgentSession(sid, (AgentTurn((1, 2), 1, "t", pause), AgentTurn((3,), 1, None, 0.0)), after, join)
+
+    def program(join: str) -> AgentProgram:
+        return AgentProgram("x", 0.0, sessions=(session("a", 1.0), session("b", 5.0), session("c", 0.0, ("a", "b"), join)))
+
+    assert program("and").unloaded_s(0.0) == 5.0
+    assert program("or").unloaded_s(0.0) == 5.0  # b still runs past c's end: the program ends with it
+    assert program("or").unloaded_s(1.0) == 7.0  # b: 5 + 2 turns; c after a: 1 + 2 + 2
+    with pytest.raises(ValueError, match="exactly one"):
+        AgentProgram("y", 0.0)
+    with pytest.raises(ValueError, match="bad after"):
+        AgentProgram("z", 0.0, sessions=(session("a", 0.0, ("nope",)),))
+
+
+# ---- the client against a fake OpenAI server -----------------------------------------------------------
+class _FakeVllm:
+    """Answers /v1/completions as a streamed completion with a final usage chunk; records every request."""
+
+    def __init__(self, fail_session: str = "", delay_s: float = 0.02) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                t_in = time.monotonic()
+                time.sleep(delay_s)
+                if body["session_id"] == fail_session:
+                    self.send_response(500)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                n = len(body["prompt"])
+                chunks = [{"choices": [{"text": "x"}]},
+                          {"choices": [], "usage": {"prompt_tokens": n, "prompt_tokens_details": {"cached_tokens": 0}}}]
+                for c in chunks:
+                    self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
+                self.wfile.write(b"data: [DONE]\n\n")
+                with fake.lock:
+                    fake.requests.append({**body, "t_in": t_in, "t_out": time.monotonic()})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def of(self, session_id: str) -> list[dict[str, Any]]:
+        return [r for r in self.requests if r["session_id"] == session_id]
+
+
+@pytest.fixture
+def fake_vllm() -> Iterator[_FakeVllm]:
+    fake = _FakeVllm()
+    yield fake
+    fake.server.shutdown()
+
+
+def _pipeline(join: str) -> AgentProgram:
+    """planner -> fast and slow workers -> reviewer (AND or OR join)."""
+    def turns(*pauses: float) -> tuple[AgentTurn, ...]:
+        return tuple(AgentTurn((7,) * 20, 2, "t" if p else None, p) for p in pauses)
+
+    return AgentProgram("P", 0.0, sessions=(
+        AgentSession("planner", turns(0.0)),
+        AgentSession("fast", turns(0.05, 0.0), ("planner",)),
+        AgentSession("slow", turns(0.6, 0.0), ("planner",)),
+        AgentSession("reviewer", turns(0.0), ("fast", "slow"), join),
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize("join", ["and", "or"])
+def test_sessions_start_when_their_join_is_met(fake_vllm: _FakeVllm, join: str) -> None:
+    res = run_program(fake_vllm.base, "m", _pipeline(join), time.monotonic(), "infer")
+    assert res.error == "" and len(res.turns) == 6
+    assert {t.session_id for t in res.turns} == {"P/planner", "P/fast", "P/slow", "P/reviewer"}
+    first = {s: min(r["t_in"] for r in fake_vllm.of(f"P/{s}")) for s in ("planner", "fast", "slow", "reviewer")}
+    last_out = {s: max(r["t_out"] for r in fake_vllm.of(f"P/{s}")) for s in ("planner", "fast", "slow", "reviewer")}
+    assert first["fast"] >= last_out["planner"] and first["slow"] >= last_out["planner"]
+    assert abs(first["fast"] - first["slow"]) < 0.3  # the workers run side by side
+    if join == "and":
+        assert first["reviewer"] >= last_out["slow"]
+    else:
+        assert last_out["fast"] <= first["reviewer"] < last_out["slow"]
+    assert all(r["vllm_xargs"]["program_id"] == "P" for r in fake_vllm.requests)
+    flagged = [r["session_id"] for r in fake_vllm.requests if r["vllm_xargs"]["is_last_turn"]]
+    # the program's last turn is flagged only when no other session is left (AND: the reviewer's)
+    assert flagged == (["P/reviewer"] if join == "and" else ["P/slow"])
+    assert res.jct_s >= 0.6
+
+
+def test_failed_session_ends_the_program() -> None:
+    fake = _FakeVllm(fail_session="P/fast")
+    try:
+        res = run_program(fake.base, "m", _pipeline("and"), time.monotonic(), "plain")
+    finally:
+        fake.server.shutdown()
+    assert res.error.startswith("session fast: HTTPError")
+    assert fake.of("P/reviewer") == []  # its join can no longer be met: never started
+    assert len(fake.of("P/slow")) == 2  # a running session finishes its turns
+
+
+def test_one_session_program_is_sent_as_before(fake_vllm: _FakeVllm) -> None:
+    prog = AgentProgram("solo", 0.0, (AgentTurn((5,) * 10, 3, "bash", 0.0), AgentTurn((6,) * 4, 3, None, 0.0)))
+    res = run_program(fake_vllm.base, "m", prog, time.monotonic(), "infer")
+    assert res.error == ""
+    assert [r["session_id"] for r in fake_vllm.requests] == ["solo", "solo"]
+    assert [len(r["prompt"]) for r in fake_vllm.requests] == [10, 14]
+    assert [r["vllm_xargs"].get("tool") for r in fake_vllm.requests] == ["bash", None]
+    assert [r["vllm_xargs"]["is_last_turn"] for r in fake_vllm.requests] == [False, True]
+    assert [t.already_sent_tokens for t in res.turns] == [0, 10]
+
+
+# ---- usage errors --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--backend", "vllm", "--executor", "torch"], "--executor torch"),
+    (["--backend", "vllm", "--policy", "vanilla,vllm-default"], "vanilla, hintflow-infer, hintflow-orchestrator"),
+    (["--backend", "vllm", "--nodes", "2"], "--nodes"),
+    (["--backend", "vllm", "--cost-model", "cpu-tiny", "--plots", "d"], "--cost-model, --plots"),
+    (["--model", "m", "--policy", "vllm-default"], "--model applies only with --backend vllm"),
+    (["--vllm-python", "py"], "--vllm-python applies only with --backend vllm"),
+])  # fmt: skip
+def test_usage_errors(args: list[str], expected: str) -> None:
+    res = CliRunner().invoke(replay_command, [*args, "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert expected in res.output
+
+
+def test_missing_model_is_an_error_before_any_server(tmp_path: Path) -> None:
+    res = CliRunner().invoke(replay_command, [
+        "--backend", "vllm", "-w", "swe-agent", "--programs", "2", "--policy", "vanilla", "--vllm-python",
+        "/bin/true", "--model", str(tmp_path / "none"), "--state-dir", str(tmp_path / "s"), "--no-progress"])  # fmt: skip
+    assert res.exit_code == 1 and "no config.json" in res.output
+
+
+# ---- against real vLLM servers -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    from engine_adapter.vllm_backend._serve import find_vllm_python  # no vLLM import: safe here
+
+    py = find_vllm_python()
+    if py is None:
+        pytest.skip("no Python with vLLM: run scripts/install.sh vllm (creates .venv-vllm) or set HINTFLOW_VLLM_PYTHON")
+    return py
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_replay_against_real_vllm(tmp_path: Path, vllm_python: str) -> None:
+    trace = tmp_path / "three.jsonl"
+    dump_jsonl(_trace_programs(), trace)
+    out = tmp_path / "report.json"
+    res = CliRunner().invoke(replay_command, [
+        "--backend", "vllm", "-w", f"hintflow:{trace}", "--policy", "vanilla,hintflow-infer",
+        "--kv-capacity-tokens", str(40 * 128), "--vllm-python", vllm_python, "--state-dir", str(tmp_path / "state"),
+        "--json", str(out), "--no-progress"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "| vanilla |" in res.output and "| hintflow-infer |" in res.output
+    assert "40 blocks of 128" in res.output
+    report = json.loads(out.read_text())
+    assert list(report["policies"]) == ["vanilla", "hintflow-infer"]
+    assert report["config"]["num_gpu_blocks"] == 40
+    for mode, summary in report["policies"].items():
+        assert (summary["programs"], summary["failed"], summary["turns"]) == (3, 0, 9), (mode, summary)
+        runs = report["programs"][mode]
+        assert sorted(r["program"] for r in runs) == ["p0", "p1", "p2"]
+        assert all(r["error"] == "" and len(r["turns"]) == 3 for r in runs), runs
+    for run in report["programs"]["hintflow-infer"]:
+        later = run["turns"][1:]
+        assert all(t["cached_tokens"] >= 256 for t in later), run  # at least two blocks of the last prompt
+        assert [t["prompt_tokens"] for t in run["turns"]] == sorted(t["prompt_tokens"] for t in run["turns"])
+    assert report["policies"]["hintflow-infer"]["across_turn_hit_rate"] > 0.5
