@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.request_queue import SchedulingPolicy  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 
+from ._admission import ADMIT_HORIZON_S, PRIORITY_SCALE, QueueRules
 from ._infer import HintInference, infer_enabled
 from ._sessions import SessionBook, VSession
 
@@ -56,8 +57,6 @@ __all__ = ["PRIORITY_SCALE", "HintflowScheduler"]
 
 log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
 
-PRIORITY_SCALE = 10**12
-"""Milliseconds of program age fit below this (31 years), so ``class * scale + ms`` orders by class first."""
 AGING_S = 3.0
 """Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
 first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
@@ -66,12 +65,7 @@ PIN_BUDGET = 0.7
 """Default share of the pool pins may hold. 0.5 held ~4 of ~30 live contexts under overload; with the
 admission guard limiting how many programs are in flight, and the yield and deadlock rules returning
 pinned blocks whenever an older turn or any progress needs them, more of the pool can bridge pauses."""
-ADMIT_HORIZON_S = 5.0
-"""A parked program whose context is not pinned still counts as in flight for this long after its turn
-(its tool is probably still running; it will need its context back)."""
-
-
-class HintflowScheduler(Scheduler):  # type: ignore[misc]
+class HintflowScheduler(QueueRules, Scheduler):  # type: ignore[misc]
     """See the module docstring. Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET, HINTFLOW_NODE_ID,
     HINTFLOW_INFER_HINTS (1), HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference),
     HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_SILENT_S (30),
@@ -212,109 +206,6 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
                 log.info("hintflow: pins blocked all progress; unpinned the latest program")
             return out
 
-    def _promote_overdue(self) -> None:
-        """Requests that have waited ``HINTFLOW_TTFT_DEADLINE_S`` go ahead of every program, oldest first.
-
-        Why: program FCFS and pins move waiting onto the youngest programs' turns; the deadline bounds
-        that tail (first token no later than the deadline plus service), while below it the program
-        order and the kept contexts decide.
-        """
-        if not math.isfinite(self.ttft_deadline_s) or self.policy != SchedulingPolicy.PRIORITY or not self.waiting:
-            return
-        now = time.time()
-        late = [
-            r for r in self.waiting
-            if r.request_id not in self._overdue and now - r.arrival_time >= self.ttft_deadline_s
-        ]  # fmt: skip
-        if not late:
-            return
-        self.waiting.remove_requests(late)
-        for r in late:
-            self._overdue.add(r.request_id)
-            ms = max(0, int((r.arrival_time - self._wall_epoch_s + 86400.0) * 1000))
-            r.priority = -PRIORITY_SCALE + min(ms, PRIORITY_SCALE - 1)  # below every class: first
-            self.waiting.add_request(r)
-
-    def _yield_pins_to_older(self) -> None:
-        """Drop pins of programs younger than the queue's head (youngest first) until the head fits.
-
-        Why: a pin is a bet that its program comes back soon; it must not make an older program's turn
-        that is already here wait (work conservation; program FCFS decides who is older).
-        """
-        if not self.book.num_pinned_blocks or not self.waiting:
-            return
-        head = self.waiting.peek_request()
-        hs = self._req_session.get(head.request_id)
-        if hs is None:
-            return  # anonymous traffic does not outrank pins: that is what pins protect against
-        need = -(-head.num_tokens // self.block_size) + 1 - len(hs.held)
-        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        head_start = self._start(hs)
-        younger = [x for x in self.book.sessions.values() if x.held and x is not hs and self._start(x) > head_start]
-        for x in sorted(younger, key=self._start, reverse=True):
-            if need <= free:
-                break
-            free += self.book.drop_pin(x)
-
-    # ---- program admission ----------------------------------------------------------------------------
-    def _is_new_program_turn(self, request: Any) -> bool:
-        """A first turn of a program this engine has not yet run (the only requests admission may hold)."""
-        s = self._req_session.get(request.request_id)
-        return (
-            s is not None
-            and request.num_computed_tokens == 0
-            and request.num_preemptions == 0
-            and s.program_id not in self._started
-        )
-
-    def _admission_state(self) -> list[Any]:
-        """[blocks the in-flight programs' contexts need, whether the engine would idle without new programs].
-
-        In flight: programs with an admitted turn that are still known to the book. Each session counts
-        its live requests' full length, else its pinned blocks, else (parked, unpinned, active within
-        the horizon) its last turn's blocks: the context it will want back.
-        """
-        self._started &= set(self.book.programs)
-        bs, now = self.block_size, self.book.clock()
-        need = 0
-        for pid in self._started:
-            for sid in self.book.programs.get(pid, ()):
-                s = self.book.sessions.get(sid)
-                if s is None or s.released:
-                    continue
-                if s.live:
-                    for rid in s.live:
-                        r = self.requests.get(rid)
-                        need += -(-r.num_tokens // bs) if r is not None else 0
-                elif s.held:
-                    need += len(s.held)
-                elif now - s.last_active_s < self.admit_horizon_s:
-                    need += len(s.snapshot)
-        others = any(not self._is_new_program_turn(r) for r in self.waiting)
-        return [need, not self.running and not others]
-
-    def _handle_blocked_waiting_request(self, request: Any) -> bool:
-        if not super()._handle_blocked_waiting_request(request):
-            return False
-        st = self._admit
-        if st is None or not self._is_new_program_turn(request):
-            return True
-        blocks = -(-request.num_tokens // self.block_size)
-        waited = time.time() - request.arrival_time
-        if st[0] + blocks <= self.admit_fraction * self.book.num_blocks:
-            why = "fit"
-        elif st[1]:
-            why = "idle"  # work conservation: never leave the engine idle while a program waits
-        elif waited >= self.admit_max_wait_s:
-            why = "aged"
-        else:
-            self.admit_stats["held"] += 1
-            return False
-        self.admit_stats[why] += 1
-        st[0] += blocks
-        st[1] = False
-        return True
-
     def _log_stats(self) -> None:
         """Every 10 s: what the pins did (for benchmarks and operators; vLLM's log has the rest)."""
         now = self.book.clock()
@@ -335,10 +226,6 @@ class HintflowScheduler(Scheduler):  # type: ignore[misc]
             self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
             st.forced_unpins, st.yielded_pins, extra, len(self._started), a["held"], a["fit"], a["idle"], a["aged"],
         )  # fmt: skip
-
-    @staticmethod
-    def _start(s: VSession) -> float:
-        return s.program_start_s if s.program_start_s is not None else s.first_seen_s
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         if self._step is not None and self.infer is not None:

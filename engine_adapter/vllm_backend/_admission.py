@@ -1,0 +1,166 @@
+"""Queue rules of the vLLM scheduler subclass: TTFT deadline, pins yielding to older programs, program admission.
+
+Why apart from ``_scheduler``: these decide *which waiting request may go next*, on top of vLLM's own
+priority queue; the scheduler module wires hintflow into vLLM's step (sessions, pins, hint inference,
+logging). A mixin over ``vllm.v1.core.sched.scheduler.Scheduler`` (it calls ``super()`` for vLLM's own
+per-request check) without importing vLLM, so it reads as plain Python.
+
+- ``_promote_overdue``: a request that has waited ``ttft_deadline_s`` goes ahead of every program;
+- ``_yield_pins_to_older``: pins of programs younger than the queue's head let go until the head fits;
+- program admission (``_handle_blocked_waiting_request``): a program's first turn waits while the contexts
+  of the programs in flight fill the pool, unless the engine would idle or it has waited long enough.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from ._sessions import VSession
+
+__all__ = ["ADMIT_HORIZON_S", "PRIORITY_SCALE", "QueueRules"]
+
+PRIORITY_SCALE = 10**12
+"""Milliseconds of program age fit below this (31 years), so ``class * scale + ms`` orders by class first."""
+ADMIT_HORIZON_S = 5.0
+"""A parked program whose context is not pinned still counts as in flight for this long after its turn
+(its tool is probably still running; it will need its context back)."""
+
+
+class QueueRules:
+    """Mixed into ``HintflowScheduler`` (which provides the attributes used here: ``book``, ``waiting``,
+    ``running``, ``requests``, ``block_size``, ``kv_cache_manager``, ``policy``, the ``admit_*`` and
+    ``ttft_deadline_s`` settings, ``_req_session``, ``_started``, ``_overdue``, ``_admit``)."""
+
+    # attributes the scheduler sets (declared for type checkers)
+    book: Any
+    waiting: Any
+    running: Any
+    requests: dict[str, Any]
+    block_size: int
+    kv_cache_manager: Any
+    policy: Any
+    ttft_deadline_s: float
+    admit_fraction: float
+    admit_max_wait_s: float
+    admit_horizon_s: float
+    admit_stats: dict[str, int]
+    _req_session: dict[str, VSession]
+    _started: set[str]
+    _overdue: set[str]
+    _admit: list[Any] | None
+    _wall_epoch_s: float
+
+    def _promote_overdue(self) -> None:
+        """Requests that have waited ``HINTFLOW_TTFT_DEADLINE_S`` go ahead of every program, oldest first.
+
+        Why: program FCFS and pins move waiting onto the youngest programs' turns; the deadline bounds
+        that tail (first token no later than the deadline plus service), while below it the program
+        order and the kept contexts decide.
+        """
+        if (
+            not math.isfinite(self.ttft_deadline_s)
+            or getattr(self.policy, "name", "") != "PRIORITY"
+            or not self.waiting
+        ):
+            return
+        now = time.time()
+        late = [
+            r for r in self.waiting
+            if r.request_id not in self._overdue and now - r.arrival_time >= self.ttft_deadline_s
+        ]  # fmt: skip
+        if not late:
+            return
+        self.waiting.remove_requests(late)
+        for r in late:
+            self._overdue.add(r.request_id)
+            ms = max(0, int((r.arrival_time - self._wall_epoch_s + 86400.0) * 1000))
+            r.priority = -PRIORITY_SCALE + min(ms, PRIORITY_SCALE - 1)  # below every class: first
+            self.waiting.add_request(r)
+
+    def _yield_pins_to_older(self) -> None:
+        """Drop pins of programs younger than the queue's head (youngest first) until the head fits.
+
+        Why: a pin is a bet that its program comes back soon; it must not make an older program's turn
+        that is already here wait (work conservation; program FCFS decides who is older).
+        """
+        if not self.book.num_pinned_blocks or not self.waiting:
+            return
+        head = self.waiting.peek_request()
+        hs = self._req_session.get(head.request_id)
+        if hs is None:
+            return  # anonymous traffic does not outrank pins: that is what pins protect against
+        need = -(-head.num_tokens // self.block_size) + 1 - len(hs.held)
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        head_start = self._start(hs)
+        younger = [
+            x for x in self.book.sessions.values() if x.held and x is not hs and self._start(x) > head_start
+        ]
+        for x in sorted(younger, key=self._start, reverse=True):
+            if need <= free:
+                break
+            free += self.book.drop_pin(x)
+
+    # ---- program admission ----------------------------------------------------------------------------
+    def _is_new_program_turn(self, request: Any) -> bool:
+        """A first turn of a program this engine has not yet run (the only requests admission may hold)."""
+        s = self._req_session.get(request.request_id)
+        return (
+            s is not None
+            and request.num_computed_tokens == 0
+            and request.num_preemptions == 0
+            and s.program_id not in self._started
+        )
+
+    def _admission_state(self) -> list[Any]:
+        """[blocks the in-flight programs' contexts need, whether the engine would idle without new programs].
+
+        In flight: programs with an admitted turn that are still known to the book. Each session counts
+        its live requests' full length, else its pinned blocks, else (parked, unpinned, active within
+        the horizon) its last turn's blocks: the context it will want back.
+        """
+        self._started &= set(self.book.programs)
+        bs, now = self.block_size, self.book.clock()
+        need = 0
+        for pid in self._started:
+            for sid in self.book.programs.get(pid, ()):
+                s = self.book.sessions.get(sid)
+                if s is None or s.released:
+                    continue
+                if s.live:
+                    for rid in s.live:
+                        r = self.requests.get(rid)
+                        need += -(-r.num_tokens // bs) if r is not None else 0
+                elif s.held:
+                    need += len(s.held)
+                elif now - s.last_active_s < self.admit_horizon_s:
+                    need += len(s.snapshot)
+        others = any(not self._is_new_program_turn(r) for r in self.waiting)
+        return [need, not self.running and not others]
+
+    def _handle_blocked_waiting_request(self, request: Any) -> bool:
+        if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]  # vLLM's, via the MRO
+            return False
+        st = self._admit
+        if st is None or not self._is_new_program_turn(request):
+            return True
+        blocks = -(-request.num_tokens // self.block_size)
+        waited = time.time() - request.arrival_time
+        if st[0] + blocks <= self.admit_fraction * self.book.num_blocks:
+            why = "fit"
+        elif st[1]:
+            why = "idle"  # work conservation: never leave the engine idle while a program waits
+        elif waited >= self.admit_max_wait_s:
+            why = "aged"
+        else:
+            self.admit_stats["held"] += 1
+            return False
+        self.admit_stats[why] += 1
+        st[0] += blocks
+        st[1] = False
+        return True
+
+    @staticmethod
+    def _start(s: VSession) -> float:
+        return s.program_start_s if s.program_start_s is not None else s.first_seen_s
