@@ -183,8 +183,8 @@ def _int_or_none(x: float | None) -> int | None:
     return None if x is None else int(x)
 
 
-_COLUMNS = (("JCT mean", "jct_mean_s", "s"), ("JCT p90", "jct_p90_s", "s"), ("TTFT p50", "ttft_p50_s", "s"),
-            ("TTFT p99", "ttft_p99_s", "s"), ("across-turn hits", "across_turn_hit_rate", "%"),
+_COLUMNS = (("JCT mean", "jct_mean_s", "s"), ("JCT p90", "jct_p90_s", "s"), ("TTFT p50", "ttft_p50_s", "ms"),
+            ("TTFT p99", "ttft_p99_s", "ms"), ("across-turn hits", "across_turn_hit_rate", "%"),
             ("prompt tokens", "prompt_tokens", "n"), ("cached", "cached_tokens", "n"))
 
 
@@ -204,7 +204,7 @@ def vllm_table(report: dict[str, Any]) -> str:
                 cells.append(f"{v:,}")
             else:
                 ratio = f" ({v / base[key]:.2f}×)" if base is not None and name != "vanilla" and base[key] else ""
-                cells.append(f"{v:.2f} s{ratio}")
+                cells.append(f"{v:.{3 if kind == 'ms' else 2}f} s{ratio}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if base is not None and len(pols) > 1:
         lines.append("\nratios in parentheses: × vanilla")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import socket
 import subprocess
 import sys
@@ -42,6 +43,10 @@ from ._serve import REPO, build_vllm_command, start_vllm, stop_vllm, wait_health
 __all__ = ["MODES", "ensure_model", "main", "max_model_len_for", "run_mode", "summarize", "verdict"]
 
 MODES = ("vanilla", "hintflow-infer", "hintflow-orchestrator")
+
+_IPC_PATH_MAX = 107
+"""A Unix socket's path at most (``sockaddr_un.sun_path``): a deeper state dir gets its sockets in a short
+temporary folder instead (vLLM fails to start with "ipc path ... is longer than 107 characters")."""
 
 
 def _free_port() -> int:
@@ -107,6 +112,10 @@ def run_mode(
         env["HINTFLOW_PRIORITY_AGING_S"] = str(aging_s)
     if hintflow:
         env.update(hint_env or {})
+    short_rpc = None
+    if len(env["VLLM_RPC_BASE_PATH"]) + 1 + 36 > _IPC_PATH_MAX:  # vLLM's sockets: BASE/uuid4
+        short_rpc = tempfile.mkdtemp(prefix="hintflow-rpc-")
+        env["VLLM_RPC_BASE_PATH"] = short_rpc
     log = state / f"{mode}.log"
     proc = start_vllm(argv, env, log, cwd=state)
     base = f"http://127.0.0.1:{port}"
@@ -137,6 +146,8 @@ def run_mode(
         if pusher is not None:
             pusher.close()
         stop_vllm(proc)
+        if short_rpc is not None:
+            shutil.rmtree(short_rpc, ignore_errors=True)
 
 
 def ensure_model(python: str, model: Path) -> None:
