@@ -14,6 +14,10 @@ key reused first; cache-replay uses it for Belady's next-use order).
 Prefix blocks are found by a chained hash (parent hash seeds the hash of the block's tokens), and a hit is
 only a hit when the stored tokens and parent hash equal the asked ones: a hash collision can cost a miss,
 never a wrong context.
+
+What ``lookup(h, ...)`` answers changes only when the index entry at ``h`` or the block behind it changes
+(``register``, ``_forget``); a caller that keeps answers (the KV manager's prefix-plan memos) may ``watch``
+the hashes it asked about and is told, through ``invalidate()``, the first time any of them changes.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class Watcher(Protocol):
+    def invalidate(self) -> None: ...
 
 
 class FreeQueue(Protocol):
@@ -147,6 +155,7 @@ class BlockPool:
         self.free_queue: FreeQueue = free_queue if free_queue is not None else LRUFreeQueue()
         self.enable_prefix_index = enable_prefix_index
         self._index: dict[int, int] = {}  # block hash -> block id
+        self._watchers: dict[int, set[Watcher]] = {}  # block hash -> who kept a lookup's answer there
         for i in range(num_blocks):
             self.free_queue.push_blank(i)
 
@@ -211,6 +220,8 @@ class BlockPool:
     def register(self, block_id: int, block_hash: int, parent_hash: int, token_key: Hashable) -> None:
         """Publish a full block under its chained hash (first writer wins; a duplicate stays private)."""
         block = self.blocks[block_id]
+        if block.block_hash is not None and block.token_key != token_key:
+            self._notify(block.block_hash)  # an indexed block's tokens changed: lookups there may differ
         block.token_key = token_key
         if not self.enable_prefix_index or block.block_hash is not None:
             return
@@ -219,6 +230,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.parent_hash = parent_hash
         self._index[block_hash] = block_id
+        self._notify(block_hash)
 
     def lookup(self, block_hash: int, parent_hash: int, token_key: Hashable) -> int | None:
         """The block holding exactly these tokens after exactly this parent, or None."""
@@ -230,8 +242,25 @@ class BlockPool:
             return None  # hash collision: a miss, never a wrong context
         return block_id
 
+    def watch(self, block_hash: int, watcher: Watcher) -> None:
+        """Call ``watcher.invalidate()`` once, the next time what ``lookup`` finds at ``block_hash`` may change."""
+        self._watchers.setdefault(block_hash, set()).add(watcher)
+
+    def unwatch(self, block_hash: int, watcher: Watcher) -> None:
+        ws = self._watchers.get(block_hash)
+        if ws is not None:
+            ws.discard(watcher)
+            if not ws:
+                del self._watchers[block_hash]
+
+    def _notify(self, block_hash: int) -> None:
+        if self._watchers:
+            for w in self._watchers.pop(block_hash, ()):
+                w.invalidate()
+
     def _forget(self, block: Block) -> None:
         if block.block_hash is not None:
+            self._notify(block.block_hash)
             if self._index.get(block.block_hash) == block.block_id:
                 del self._index[block.block_hash]
             block.block_hash = None

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ._executor import Clock, ScheduledBatch, ScheduledSeq, StepOutput
-from ._kv_manager import KVCacheManager, Session, SessionState
+from ._kv_manager import KVCacheManager, PlanMemo, Session, SessionState
 
 __all__ = ["Request", "RequestState", "Scheduler", "SchedulerConfig"]
 
@@ -101,10 +101,22 @@ class Request:
     first_token_s: float | None = None
     finished_s: float | None = None
     _seq: int = 0
+    # The last prefix plan's walk, reused while the request waits and nothing it read changed (the
+    # scheduler re-plans every queued request at every step it looks at them).
+    _plan_memo: PlanMemo = field(default_factory=PlanMemo, repr=False)
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output if self.output else self.prompt
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building ``tokens`` (a decode step wants one token of a long context)."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n : end - n]
+        return self.prompt[start:] + self.output[: end - n]
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +187,7 @@ class Scheduler:
             return False
         if req.state is RequestState.WAITING:
             self._remove_waiting(req)
+            req._plan_memo.release()
         else:
             self.running.remove(req)
         self._finish(req, "abort")
@@ -255,7 +268,7 @@ class Scheduler:
             elif not self.kv.force_unpin_latest():
                 self._preempt(req)
                 return False
-        toks = req.tokens[req.num_computed : req.num_computed + chunk]
+        toks = req.token_slice(req.num_computed, req.num_computed + chunk)
         sample = req.num_computed + chunk == req.num_tokens
         step.seqs.append(
             ScheduledSeq(
@@ -276,7 +289,7 @@ class Scheduler:
             req = self.waiting[i]
             s = req.session
             tokens = req.tokens
-            plan = self.kv.plan_prefix(s, tokens)
+            plan = self.kv.plan_prefix(s, tokens, req._plan_memo)
             # History as first seen: an attach whose slots then failed cut the session's tokens back to
             # the hit prefix, so a retry's plan sees less of it (and would count re-prefill as new).
             if not req.admitted:  # (after a preemption the plan includes this turn's own tokens)
@@ -307,6 +320,7 @@ class Scheduler:
                     continue
                 return
             self._remove_waiting(req)
+            req._plan_memo.release()  # out of the queue: no more plans (and off the pool's watch lists)
             self.kv.consume_pin(s)
             if not req.admitted:
                 req.admitted = True
