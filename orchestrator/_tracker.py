@@ -29,6 +29,31 @@ def role_of(program_id: str, session_id: str) -> str:
     return session_id[len(prefix) :] if session_id.startswith(prefix) else "agent"
 
 
+class _LearnedGraph(ProgramGraph):
+    """A ProgramGraph that keeps ``most_likely_paths`` answers until the graph learns a transition.
+
+    A Tick asks for the paths from the current step of every program with a session parked between turns,
+    twice (``predict`` and ``ProgramState.predict_next_use``), and programs of one workflow share a few
+    step kinds: recomputing Dijkstra each time was most of a multi-agent replay.  The paths depend only
+    on the graph's nodes, edges and counts, which change only through ``observe_transition`` (the tracker
+    owns its graphs), so the cache is dropped there.  Callers only read the answers.
+    """
+
+    def __init__(self, workflow_type: str) -> None:
+        super().__init__(workflow_type)
+        self._paths: dict[str, dict[str, list[str]]] = {}
+
+    def observe_transition(self, src: str, dst: str, duration_s: float) -> None:
+        self._paths.clear()
+        super().observe_transition(src, dst, duration_s)
+
+    def most_likely_paths(self, src: str) -> dict[str, list[str]]:
+        paths = self._paths.get(src)
+        if paths is None:
+            paths = self._paths[src] = super().most_likely_paths(src)
+        return paths
+
+
 @dataclass
 class _Live:
     workflow: str
@@ -49,7 +74,9 @@ class ProgramTracker:
         live = self._live.get(program_id)
         if live is None:
             wf = workflow or "unknown"
-            graph = self.graphs.setdefault(wf, ProgramGraph(wf))
+            graph = self.graphs.get(wf)
+            if graph is None:
+                graph = self.graphs[wf] = _LearnedGraph(wf)
             live = self._live[program_id] = _Live(wf, ProgramState(program_id, graph))
         return live.state
 
