@@ -163,7 +163,17 @@ class PlanMemo:
         return self.walk
 
     def fresh_plan(self, s: Session, prompt: list[int]) -> PrefixPlan | None:
-        if self.plan is None or self.fresh_walk(s, prompt) is None:
+        """The kept plan if it is still what ``plan_prefix`` would compute, else None."""
+        if (  # (fresh_walk's checks, inline: the scheduler asks this for every queued request at every step)
+            self.plan is None
+            or self._epoch != s.epoch
+            or self._session is not s
+            or self._len != len(prompt)
+            or self._token_ids is not s.token_ids
+            or self._block_ids is not s.block_ids
+            or self._block_hashes is not s.block_hashes
+            or self._host_block_ids is not s.host_block_ids
+        ):
             return None
         for block, ref_cnt, block_hash in self._reads:
             if block.ref_cnt != ref_cnt or block.block_hash != block_hash:
@@ -256,6 +266,12 @@ class KVCacheManager:
         self._pin_expiry: list[tuple[float, int, str]] = []
         self._prefetch_due: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
+        # Only set_waiting makes a session WAITING, so every WAITING session is a key here: the queued
+        # turns' contexts are found without a scan of every session this node ever held (a replay's
+        # memory-bound steps looked for a waiting victim at every eviction).
+        self._maybe_waiting: dict[Session, None] = {}
+        self._creation_seq: dict[Session, int] = {}  # order of insertion into ``sessions``
+        self._session_seq = itertools.count()
 
     # ---- sessions ----------------------------------------------------------------------------
     def get_or_create(self, session_id: str, program_id: str) -> Session:
@@ -265,6 +281,7 @@ class KVCacheManager:
             s = Session(session_id, program_id or session_id, created_s=now, last_used_s=now)
             s._bs = self.block_size
             self.sessions[session_id] = s
+            self._creation_seq[s] = next(self._session_seq)
             self.programs.setdefault(s.program_id, set()).add(session_id)
         return s
 
@@ -287,10 +304,8 @@ class KVCacheManager:
         (:class:`PlanMemo`); that plan is the memo's own object, which ``attach`` may update: only a plan
         that is about to be attached may be written to (attach changes the session, retiring the memo).
         """
-        if memo is not None:
-            plan = memo.fresh_plan(s, prompt)
-            if plan is not None:
-                return plan
+        if memo is not None and (plan := memo.fresh_plan(s, prompt)) is not None:
+            return plan
         walk = memo.fresh_walk(s, prompt) if memo is not None else None
         if walk is None:
             walk = self._walk_prefix(s, prompt)
@@ -483,6 +498,7 @@ class KVCacheManager:
 
     def set_waiting(self, s: Session) -> None:
         s.state = SessionState.WAITING
+        self._maybe_waiting[s] = None
         self._refresh(s)
 
     # ---- allocation and eviction ---------------------------------------------------------------
@@ -497,14 +513,26 @@ class KVCacheManager:
             self._evict_one(victim)
         return self.device.allocate(n)
 
+    def _waiting_sessions(self) -> list[Session]:
+        """The sessions in ``sessions`` that are WAITING, in no particular order (prunes ``_maybe_waiting``)."""
+        out = []
+        for s in list(self._maybe_waiting):
+            if s.state is SessionState.WAITING and self.sessions.get(s.session_id) is s:
+                out.append(s)
+            else:
+                del self._maybe_waiting[s]  # (set_waiting puts it back when it waits again)
+        return out
+
     def _waiting_victim(self, exclude: Session | None) -> Session | None:
         """Last resort before preempting a running request: the context of a queued turn."""
-        def order(x: Session) -> tuple[int, float]:
-            return (x.priority_class, x.program_start_s if x.program_start_s is not None else x.created_s)
+        # The largest order; among equals the session that came first in ``sessions``.
+        def order(x: Session) -> tuple[int, float, int]:
+            start = x.program_start_s if x.program_start_s is not None else x.created_s
+            return (x.priority_class, start, -self._creation_seq.get(x, 0))
 
         best: Session | None = None
-        for s in self.sessions.values():
-            evictable = s.state is SessionState.WAITING and s is not exclude and len(s.block_ids) > s.pinned_blocks
+        for s in self._waiting_sessions():
+            evictable = s is not exclude and len(s.block_ids) > s.pinned_blocks
             if evictable and (best is None or order(s) > order(best)):
                 best = s
         return best
@@ -566,6 +594,8 @@ class KVCacheManager:
         self._device_evictable.discard(s)
         self._host_holders.discard(s)
         self.sessions.pop(s.session_id, None)
+        self._creation_seq.pop(s, None)
+        self._maybe_waiting.pop(s, None)
         members = self.programs.get(s.program_id)
         if members is not None:
             members.discard(s.session_id)
@@ -678,7 +708,7 @@ class KVCacheManager:
         would cost a turn that is ready now (measured in replay: about 70% more offloads, a longer queue).
         The prefetch is dropped; the session's turn reloads its host blocks on admission instead.
         """
-        if any(x.state is SessionState.WAITING for x in self.sessions.values()):
+        if self._waiting_sessions():
             self.stats.skipped_prefetches += 1
             return
         n = min(len(s.host_block_ids), self.device.num_free_blocks)

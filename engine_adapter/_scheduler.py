@@ -283,13 +283,16 @@ class Scheduler:
 
     def _admit(self, step: _Step, cold_pass: bool) -> None:
         i = 0
-        while i < len(self.waiting):
-            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        waiting, running, max_num_seqs = self.waiting, self.running, self.config.max_num_seqs
+        while i < len(waiting):
+            if step.budget <= 0 or len(running) >= max_num_seqs:
                 return
-            req = self.waiting[i]
+            req = waiting[i]
             s = req.session
             tokens = req.tokens
-            plan = self.kv.plan_prefix(s, tokens, req._plan_memo)
+            memo = req._plan_memo
+            # Most queued requests are looked at again with nothing changed: their memo answers at once.
+            plan = memo.fresh_plan(s, tokens) or self.kv.plan_prefix(s, tokens, memo)
             # History as first seen: an attach whose slots then failed cut the session's tokens back to
             # the hit prefix, so a retry's plan sees less of it (and would count re-prefill as new).
             if not req.admitted:  # (after a preemption the plan includes this turn's own tokens)
