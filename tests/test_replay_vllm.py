@@ -238,12 +238,9 @@ def test_missing_model_is_an_error_before_any_server(tmp_path: Path) -> None:
 # ---- against real vLLM servers -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    from engine_adapter.vllm_backend._serve import find_vllm_python  # no vLLM import: safe here
+    from tests.vllm_support import vllm_python_or_skip
 
-    py = find_vllm_python()
-    if py is None:
-        pytest.skip("no Python with vLLM: run scripts/install.sh vllm (creates .venv-vllm) or set HINTFLOW_VLLM_PYTHON")
-    return py
+    return vllm_python_or_skip()
 
 
 @pytest.mark.slow

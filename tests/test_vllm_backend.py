@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import threading
 import time
@@ -32,7 +31,6 @@ from typing import Any
 import grpc
 import pytest
 
-from engine_adapter.vllm_backend._serve import find_vllm_python  # no vLLM import: safe here
 from hints import (
     CacheState,
     EvictionOrder,
@@ -49,27 +47,17 @@ from hints import (
     engine_pb2,
     engine_pb2_grpc,
 )
+from tests.vllm_support import free_port, vllm_python_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-VLLM_PYTHON = find_vllm_python()
-if VLLM_PYTHON is None:
-    pytest.skip(
-        "no Python with vLLM: run scripts/install.sh vllm (creates .venv-vllm) or set HINTFLOW_VLLM_PYTHON",
-        allow_module_level=True,
-    )
+VLLM_PYTHON = vllm_python_or_skip()
 
 
 BS = 128
 NUM_BLOCKS = 32
 SCHED = "engine_adapter.vllm_backend._scheduler.HintflowScheduler"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Node:
@@ -161,7 +149,7 @@ def shared_node(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config)
     )
     for d in ("cache", "inductor", "rpc", "tmp"):
         (root / d).mkdir()
-    http_port, hint_port, metrics_port, kv_port = _free_port(), _free_port(), _free_port(), _free_port()
+    http_port, hint_port, metrics_port, kv_port = free_port(), free_port(), free_port(), free_port()
     kv_endpoint = f"tcp://127.0.0.1:{kv_port}"
     kv = KvEventSubscriber(kv_endpoint, topic="kv", bind=True).start()
     env = {

@@ -24,7 +24,6 @@ from typing import Any
 import grpc
 import pytest
 
-from engine_adapter.vllm_backend._serve import find_vllm_python  # no vLLM import: safe here
 from hints import (
     CacheState,
     HintAck,
@@ -37,16 +36,12 @@ from hints import (
     engine_pb2,
     engine_pb2_grpc,
 )
+from tests.vllm_support import free_port, vllm_python_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-VLLM_PYTHON = find_vllm_python()
-if VLLM_PYTHON is None:
-    pytest.skip(
-        "no Python with vLLM: run scripts/install.sh vllm (creates .venv-vllm) or set HINTFLOW_VLLM_PYTHON",
-        allow_module_level=True,
-    )
+VLLM_PYTHON = vllm_python_or_skip()
 
 from engine_adapter.vllm_backend._serve import build_vllm_command, start_vllm, stop_vllm, wait_healthy  # noqa: E402
 
@@ -94,14 +89,6 @@ class Node:
         return any(s.session_id == session and s.pinned for s in self.state().sessions)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     assert VLLM_PYTHON is not None
@@ -111,7 +98,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     subprocess.run(
         [VLLM_PYTHON, "-m", "hintflow", "make-tiny-model", str(model)], check=True, timeout=300, env=env
     )
-    http_port, hint_port = _free_port(), _free_port()
+    http_port, hint_port = free_port(), free_port()
     flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
              "--num-gpu-blocks-override", "32"]  # fmt: skip
     argv, env = build_vllm_command(

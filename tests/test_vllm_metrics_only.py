@@ -10,31 +10,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import urllib.request
 from pathlib import Path
 
-import pytest
-
-from engine_adapter.vllm_backend._serve import find_vllm_python
+from tests.vllm_support import free_port, vllm_python_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = find_vllm_python()
-if VLLM_PYTHON is None:
-    pytest.skip(
-        "no Python with vLLM: run scripts/install.sh vllm (creates .venv-vllm) or set HINTFLOW_VLLM_PYTHON",
-        allow_module_level=True,
-    )
+VLLM_PYTHON = vllm_python_or_skip()
 
 from engine_adapter.vllm_backend._serve import build_vllm_command, start_vllm, stop_vllm, wait_healthy  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_metrics_without_a_hint_service(tmp_path: Path) -> None:
@@ -42,7 +28,7 @@ def test_metrics_without_a_hint_service(tmp_path: Path) -> None:
     model = tmp_path / "model"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([VLLM_PYTHON, "-m", "hintflow", "make-tiny-model", str(model)], check=True, timeout=300, env=env)
-    http_port, metrics_port = _free_port(), _free_port()
+    http_port, metrics_port = free_port(), free_port()
     state = Path(tempfile.mkdtemp(prefix="hfm-"))  # vLLM's IPC socket paths must stay under 107 bytes
     flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--num-gpu-blocks-override", "24"]
     argv, env = build_vllm_command(

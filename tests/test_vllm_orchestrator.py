@@ -17,15 +17,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-import urllib.request
 import uuid
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from test_vllm_backend import BS, Node, _prompt, shared_node  # skips this module too where vLLM is missing
 
 from hints import Release
+from tests.vllm_support import scrape_metrics
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +34,6 @@ def node(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) 
 
 def _spec(node: Node, http_base: str | None = None) -> str:
     return f"vllm+{http_base or node.base}?hints={node.hint_address}"
-
-
-def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-            out[(s.name, labels)] = s.value
-    return out
 
 
 def _total(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
@@ -89,7 +77,7 @@ async def test_coding_agent_on_temporal_runs_every_turn_on_the_vllm_node(
         turns=turns, task_tokens=320, tool_output_tokens=tool_tokens, output_tokens=output_tokens,
         tool_mean_s=0.5, tool_sd_s=0.5, time_scale=0.2,
     )  # fmt: skip
-    before, vllm_before = _scrape(node.metrics_url), _scrape(node.base + "/metrics")
+    before, vllm_before = scrape_metrics(node.metrics_url), scrape_metrics(node.base + "/metrics")
     # The hintflow policy, re-prefill priced at 0.5 s (a bigger model's; the tiny one re-prefills in ms,
     # where no pin pays): it pins each context at its tool start, so Pin hints reach the node too.
     policy = get_policy(
@@ -116,7 +104,7 @@ async def test_coding_agent_on_temporal_runs_every_turn_on_the_vllm_node(
         wall_s = time.monotonic() - t0
     finally:
         await runtime.stop()
-    after, vllm_after = _scrape(node.metrics_url), _scrape(node.base + "/metrics")
+    after, vllm_after = scrape_metrics(node.metrics_url), scrape_metrics(node.base + "/metrics")
 
     first_prompt = 160 + 320
     for r in reports:
@@ -132,7 +120,7 @@ async def test_coding_agent_on_temporal_runs_every_turn_on_the_vllm_node(
     deadline = time.monotonic() + 5
     while _total(vllm_after, "vllm:generation_tokens_total") < want and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-        vllm_after = _scrape(node.base + "/metrics")
+        vllm_after = scrape_metrics(node.base + "/metrics")
     assert _total(vllm_after, "vllm:generation_tokens_total") == want
 
     hints = _total(after, "hintflow_hints_total") - _total(before, "hintflow_hints_total")

@@ -13,12 +13,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import urllib.request
 from typing import Any
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from test_vllm_backend import BS, Node, _prompt, shared_node  # skips this module too where vLLM is missing
 
 from hints import (
@@ -31,22 +29,12 @@ from hints import (
     engine_pb2,
     engine_pb2_grpc,
 )
+from tests.vllm_support import scrape_metrics
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Node:
     return shared_node(tmp_path_factory, pytestconfig)
-
-
-def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-            out[(s.name, labels)] = s.value
-    return out
 
 
 def _settle(node: Node, quiet_s: float = 0.4, timeout_s: float = 10.0) -> None:
@@ -60,7 +48,7 @@ def _settle(node: Node, quiet_s: float = 0.4, timeout_s: float = 10.0) -> None:
 
 
 def test_metrics_export_the_embedded_names_from_live_scheduler_state(node: Node) -> None:
-    before = _scrape(node.metrics_url)
+    before = scrape_metrics(node.metrics_url)
     names = {name for name, _ in before}
     for name in (
         "hintflow_pinned_blocks",
@@ -84,7 +72,7 @@ def test_metrics_export_the_embedded_names_from_live_scheduler_state(node: Node)
     ack = ack_from_proto(next(iter(node.stub.PushHints(iter([batch_to_proto(batch)]), timeout=30))))
     assert [r.code for r in ack.results] == ["OK", "NOT_FOUND"] and ack.results[0].pinned_blocks == 5
     state = node.state()
-    after = _scrape(node.metrics_url)
+    after = scrape_metrics(node.metrics_url)
     assert after[("hintflow_pinned_blocks", ())] == state.pinned_blocks >= 5
     assert after[("hintflow_kv_free_blocks", ())] == state.free_blocks  # idle engine: nothing moves
     assert after[("hintflow_sessions", ())] == len(state.sessions)
@@ -99,7 +87,7 @@ def test_metrics_export_the_embedded_names_from_live_scheduler_state(node: Node)
     node.complete(m + [7], "m2", "pm2")
     assert node.hints(Pin(session_id="m2", ttl_s=0.3)).results[0].ok
     time.sleep(0.5)
-    final = _scrape(node.metrics_url)  # the scrape itself expires the lease on an idle engine
+    final = scrape_metrics(node.metrics_url)  # the scrape itself expires the lease on an idle engine
     assert final[("hintflow_pinned_blocks", ())] == 0
     expiries = ("hintflow_pin_expiries_total", ())
     assert final[expiries] == after[expiries] + 1
@@ -219,7 +207,7 @@ def test_kv_events_residency_matches_the_prefix_hit_and_the_sidecar_serves_it(no
         derived = node.kv.read(lambda r: r.prefix_tokens(p))
         assert node.kv.read(lambda r: r.session_blocks("kv1"))[0] * BS == derived < 5 * BS
         assert node.cached(p + [7], "kv1", "pkv1") == derived
-        evicted = _scrape(f"http://127.0.0.1:{car.metrics_port}/metrics")[
+        evicted = scrape_metrics(f"http://127.0.0.1:{car.metrics_port}/metrics")[
             ("hintflow_evicted_blocks_total", ())
         ]
         assert evicted >= 5
