@@ -58,6 +58,7 @@ async def _run(cfg: DemoConfig, temporal: str | None) -> dict[str, Any]:
                 cfg.num_nodes,
                 num_device_blocks=cfg.device_blocks,
                 retain_contexts=mode != "vllm-default",
+                cold_prefill_cap=mode != "vllm-default",  # vLLM has none
                 pin_budget_fraction=0.7,
                 name=f"demo-{mode}",
                 # hintflow nodes order by program age with a bounded head start (see SchedulerConfig)

@@ -93,6 +93,9 @@ async def local_temporal(temporal: str | None, namespace: str = "default") -> As
         await env.shutdown()
 
 
+_NO_COLD_CAP = 1 << 30  # a cold budget no step reaches: the scheduler clamps it to the step's budget
+
+
 @contextlib.asynccontextmanager
 async def local_nodes(
     num_nodes: int,
@@ -103,10 +106,13 @@ async def local_nodes(
     name: str = "local",
     program_fcfs_aging_s: float | None = None,
     ttft_deadline_s: float | None = None,
+    cold_prefill_cap: bool = True,
 ) -> AsyncIterator[list[str]]:
     """``num_nodes`` torch engine nodes on loopback ports; stopped (and checked for leaks) on exit.
 
     ``retain_contexts=False`` is vLLM's behaviour: a finished turn's blocks go to the LRU free queue.
+    ``cold_prefill_cap=False`` too: vLLM has no cap on cold prefills while warm work shares a step (the
+    cold budget is then the whole step budget, as the replay's ``vllm-default`` runs).
     """
     from engine_adapter._config import build_engine, load_engine_config
     from engine_adapter._server import start_node
@@ -121,7 +127,11 @@ async def local_nodes(
                 retain_contexts=retain_contexts,
                 pin_budget_fraction=pin_budget_fraction,
                 model=LOCAL_MODEL,
-                scheduler={"program_fcfs_aging_s": program_fcfs_aging_s, "ttft_deadline_s": ttft_deadline_s},
+                scheduler={
+                    "program_fcfs_aging_s": program_fcfs_aging_s,
+                    "ttft_deadline_s": ttft_deadline_s,
+                    **({} if cold_prefill_cap else {"cold_prefill_budget_tokens": _NO_COLD_CAP}),
+                },
             )
             nodes.append(await start_node(build_engine(cfg), "127.0.0.1", 0))
             logger.info("started torch engine node at %s", nodes[-1].address)
