@@ -5,23 +5,25 @@ engine-core process, while vLLM's ``/metrics`` is served by the API-server proce
 engine core sends it; nothing of ours travels that way. So the engine core serves ``/metrics`` on
 ``HINTFLOW_METRICS_PORT`` (``hintflow engine serve --backend vllm --metrics-port``), and every value is
 read from live scheduler state at scrape time under the scheduler's ``hint_lock``: nothing is counted
-twice or drifts, and a step pays nothing. The few things that are events rather than state (hints by
-kind and result code, hint delivery latency) are tallied in :class:`HintStats` by the hint service, the
-only code that applies hints. No ``prometheus_client`` metric objects are created here on purpose: with
-``PROMETHEUS_MULTIPROC_DIR`` set (vLLM sets it for several API servers) those would write into vLLM's
-multiprocess directory and show up a second time on vLLM's own ``/metrics``.
+twice or drifts. The things that are events rather than state are tallied where they happen: hints by
+kind and result code and their delivery latency in :class:`HintStats` by the hint service (the only code
+that applies hints); per-request accounting (prompt tokens by source, across-turn and within-turn hits,
+recomputed tokens, TTFT, queue wait) in the scheduler's :class:`~._accounting.RequestAccounting`, when
+vLLM first schedules a request and when its first token comes out (a common-prefix compare per new
+request, a look at the requests still without a token per step), copied here under the same lock.
+No ``prometheus_client`` metric objects are created here on purpose: with ``PROMETHEUS_MULTIPROC_DIR``
+set (vLLM sets it for several API servers) those would write into vLLM's multiprocess directory and show
+up a second time on vLLM's own ``/metrics``.
 
 What has no meaning here, or no source without a scheduler hook (see the README): the host tier
-(``hintflow_kv_host_*``, offload/reload/prefetch counters: no host tier on this backend), per-request
-accounting (TTFT, queue wait, prompt tokens by source, across-turn hits: vLLM's ``vllm:*`` series cover
-the first three), ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_sidecar`` counts it
-from ``BlockRemoved``), ``hintflow_preemptions_total`` (``vllm:num_preemptions_total``) and the step
-duration.
+(``hintflow_kv_host_*``, offload/reload/prefetch counters, and ``host_hit`` prompt tokens, always 0: no
+host tier on this backend), ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_sidecar``
+counts it from ``BlockRemoved``), ``hintflow_preemptions_total`` (``vllm:num_preemptions_total``) and
+the step duration.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from hints import HintDecodeError, HintModel, HintResult
+
+from ._accounting import Histogram, RequestAccounting
 
 if TYPE_CHECKING:
     from ._scheduler import HintflowScheduler
@@ -47,10 +51,8 @@ class HintStats:
 
     def __init__(self, buckets: Sequence[float] = HINT_LATENCY_BUCKETS) -> None:
         self._lock = threading.Lock()
-        self.buckets = tuple(buckets)
         self.by_kind_code: dict[tuple[str, str], int] = {}
-        self._latency_counts = [0] * (len(self.buckets) + 1)  # the last one: +Inf
-        self._latency_sum = 0.0
+        self._latency = Histogram(buckets)
 
     def count(self, hints: Sequence[HintModel | HintDecodeError], results: Sequence[HintResult]) -> None:
         with self._lock:
@@ -62,12 +64,11 @@ class HintStats:
     def observe_delivery(self, seconds: float) -> None:
         seconds = max(0.0, seconds)  # sender and node wall clocks: skew can make it negative
         with self._lock:
-            self._latency_counts[bisect.bisect_left(self.buckets, seconds)] += 1
-            self._latency_sum += seconds
+            self._latency.observe(seconds)
 
-    def snapshot(self) -> tuple[dict[tuple[str, str], int], list[int], float]:
+    def snapshot(self) -> tuple[dict[tuple[str, str], int], Histogram]:
         with self._lock:
-            return dict(self.by_kind_code), list(self._latency_counts), self._latency_sum
+            return dict(self.by_kind_code), self._latency.copy()
 
 
 _GAUGES = (
@@ -105,6 +106,7 @@ class SchedulerCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         """Names only, so registering does not take the scheduler lock."""
         yield from self._families(self.sched.model_name, None, None)
+        yield from _request_families(self.sched.model_name, None)
 
     def collect(self) -> Iterator[Metric]:
         sched = self.sched
@@ -113,6 +115,7 @@ class SchedulerCollector(Collector):
             book, st = sched.book, sched.book.stats
             inf = getattr(sched, "infer", None)
             admit: dict[str, int] = dict(getattr(sched, "admit_stats", {}))
+            acct: RequestAccounting = sched.accounting.snapshot()
             gauges = (
                 book.num_pinned_blocks,
                 sched.prefill_backlog_tokens(),
@@ -134,6 +137,7 @@ class SchedulerCollector(Collector):
                 admit.pop("held", 0),
             )
         yield from self._families(sched.model_name, gauges + counters, admit)
+        yield from _request_families(sched.model_name, acct)
 
     def _families(
         self, model: str, values: tuple[int, ...] | None, admitted: dict[str, int] | None
@@ -167,16 +171,52 @@ class SchedulerCollector(Collector):
         )
         stats = self.hint_stats() if values is not None else None
         if stats is not None:
-            by_kind, counts, total = stats.snapshot()
+            by_kind, hist = stats.snapshot()
             for (kind, code), n in sorted(by_kind.items()):
                 hints.add_metric([model, kind, code], float(n))
-            cumulative, buckets = 0, []
-            for bound, n in zip([*stats.buckets, float("inf")], counts, strict=True):
-                cumulative += n
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
-            latency.add_metric([model], buckets, total)
+            latency.add_metric([model], hist.cumulative(), hist.sum)
         yield hints
         yield latency
+
+
+_REQUEST_COUNTERS = (
+    ("hintflow_across_turn_prompt_tokens_total", "Prompt tokens the session computed in an earlier turn."),
+    ("hintflow_across_turn_hit_tokens_total", "Across-turn prompt tokens found cached (device or host)."),
+    ("hintflow_within_turn_hit_tokens_total", "Cache hits not from the session's own history (e.g. a shared prefix)."),
+    ("hintflow_recomputed_tokens_total", "Across-turn prompt tokens recomputed because their KV was evicted."),
+)
+
+
+def _request_families(model: str, acct: RequestAccounting | None) -> Iterator[Metric]:
+    """The embedded engine's per-request series (names, labels, help and buckets as there)."""
+    by_source = ["model_name", "source"]
+    doc = "Prompt tokens by where their KV came from."
+    prompt = CounterMetricFamily("hintflow_prompt_tokens_total", doc, labels=by_source)
+    counters = [CounterMetricFamily(n, doc, labels=["model_name"]) for n, doc in _REQUEST_COUNTERS]
+    ttft = HistogramMetricFamily(
+        "hintflow_time_to_first_token_seconds", "Arrival to first output token.", labels=["model_name"]
+    )
+    wait = HistogramMetricFamily(
+        "hintflow_queue_wait_seconds", "Arrival to first scheduled step.", labels=["model_name"]
+    )
+    if acct is not None:
+        sources = {"device_hit": acct.device_hit_tokens, "host_hit": 0, "computed": acct.computed_tokens}
+        for source, n in sources.items():
+            prompt.add_metric([model, source], float(n))
+        values = (
+            acct.across_turn_prompt_tokens,
+            acct.across_turn_hit_tokens,
+            acct.within_turn_hit_tokens,
+            acct.recomputed_tokens,
+        )
+        for fam, value in zip(counters, values, strict=True):
+            fam.add_metric([model], float(value))
+        ttft.add_metric([model], acct.ttft.cumulative(), acct.ttft.sum)
+        wait.add_metric([model], acct.queue_wait.cumulative(), acct.queue_wait.sum)
+    yield prompt
+    yield from counters
+    yield ttft
+    yield wait
 
 
 @dataclass

@@ -30,6 +30,10 @@ decision stays vLLM's. What it adds, and where:
   requests behind them are scheduled as usual (vLLM's own skip path).
 - bounded program FCFS: an older program's turn gets at most ``HINTFLOW_PRIORITY_AGING_S`` of head start
   over a newer arrival, so first turns age instead of starving.
+- per-request accounting (``_accounting.RequestAccounting``, exported by ``_metrics``): each request's
+  prompt is split into cache hits, across-turn history, recomputed and within-turn tokens when ``schedule``
+  first schedules it; its first token is noted after ``update_from_output``; ``_free_request_blocks``
+  keeps the tokens it computed as its session's history for the next turn.
 
 All of it runs under ``self.hint_lock``, which the hint service (another thread) takes too.
 """
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.request_queue import SchedulingPolicy  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 
+from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, PRIORITY_SCALE, QueueRules
 from ._infer import HintInference, infer_enabled
 from ._sessions import SessionBook, VSession
@@ -84,6 +89,7 @@ class HintflowScheduler(QueueRules, Scheduler):  # type: ignore[misc]
         budget = float(os.environ.get("HINTFLOW_PIN_BUDGET", str(PIN_BUDGET)))
         self.book = SessionBook(pool, pool.num_gpu_blocks - 1, pin_budget_fraction=budget)  # -1: null block
         self._req_session: dict[str, VSession] = {}
+        self.accounting = RequestAccounting()  # per-request hintflow_* series (_accounting, _metrics)
         self._client_priority: dict[str, int] = {}
         self.node_id = os.environ.get("HINTFLOW_NODE_ID", "vllm")
         self.model_name = str(self.vllm_config.model_config.served_model_name)
@@ -192,11 +198,13 @@ class HintflowScheduler(QueueRules, Scheduler):  # type: ignore[misc]
                 self._admit = None
             for new in out.scheduled_new_reqs:
                 s = self._req_session.get(new.req_id)
+                req = self.requests.get(new.req_id)
+                if req is not None:  # hits: the prefix lookup, before this step's tokens are added
+                    self.accounting.on_scheduled(req, new.num_computed_tokens, s)
                 if s is not None:
                     self._started.add(s.program_id)
                     kept = bool(s.held)
                     self.book.on_admitted(s, new.req_id)
-                    req = self.requests.get(new.req_id)
                     if self.infer is not None and req is not None:
                         self.infer.on_admitted(s, time.time() - req.arrival_time, kept)
             self._step = (self.book.clock(), out.total_num_scheduled_tokens)
@@ -233,7 +241,9 @@ class HintflowScheduler(QueueRules, Scheduler):  # type: ignore[misc]
             self.infer.observe_step(tokens, self.book.clock() - started)
         self._step = None
         with self.hint_lock:
-            return super().update_from_output(*args, **kwargs)
+            out = super().update_from_output(*args, **kwargs)
+            self.accounting.after_step()
+            return out
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         with self.hint_lock:
@@ -243,6 +253,7 @@ class HintflowScheduler(QueueRules, Scheduler):  # type: ignore[misc]
         s = self._req_session.pop(request.request_id, None)
         self._client_priority.pop(request.request_id, None)
         self._overdue.discard(request.request_id)
+        self.accounting.on_finished(request, s)
         if s is None or not self.pins_supported or not self._request_blocks_can_be_freed(request):
             if s is not None:
                 self.book.on_request_finished(s, request.request_id, [])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ class VSession:
     priority_class: int | None = None
     expected_output_tokens: int | None = None
     released: bool = False
+    context: array[int] = field(default_factory=lambda: array("q"))  # tokens the last turn computed
 
     @property
     def waiting(self) -> bool:
