@@ -94,7 +94,7 @@ def test_a_finished_turn_is_pinned_for_the_continuum_ttl_and_the_pause_is_measur
     _turn(book, inf, "p", "r2", {"program_id": "p", "tool": "test"})
     assert inf.pauses.num_samples("edit") == 1
     assert inf.pauses._tools["edit"].support().tolist() == [2.5]  # end of turn 1 to arrival of turn 2
-    assert inf.programs["p"].tool == "test"
+    assert inf.programs["p"].sessions["p"].tool == "test"
 
 
 def test_program_fcfs_dates_a_program_by_its_first_request() -> None:
@@ -132,7 +132,7 @@ def test_explicit_hints_take_precedence() -> None:
 def test_a_program_silent_far_past_its_lease_is_released() -> None:
     book, inf, clock = _setup(silent_min_s=5.0)
     _turn(book, inf, "p", "r1", {"program_id": "p", "tool": "t"})
-    lease = inf.programs["p"].lease_s
+    lease = inf.programs["p"].sessions["p"].lease_s
     clock.t = max(5.0, SILENT_FACTOR * lease) - 0.1
     inf.sweep()
     assert "p" in book.sessions
@@ -173,3 +173,47 @@ def test_a_prefill_backlog_starts_pins_before_any_queueing_is_measured() -> None
     assert abs(inf.rule.queue_delay_s - 5.0) < 1e-9
     _turn(book, inf, "b", "r2", {"program_id": "b", "tool": "edit"})
     assert book.num_pinned_blocks == 4 and inf.inferred_pins == 1
+
+
+def test_interleaved_sessions_of_one_program_each_measure_their_own_pause() -> None:
+    """A multi-agent program's workers run at once: a pause runs from a session's own turn end to its own
+    next arrival, with its own tool. One program-wide record paired a's turn end with b's arrival (0.5 s
+    of "grep"), then b's end with a's return (1.5 s of "test")."""
+    book, inf, clock = _setup()
+    prog = {"program_id": "p"}
+    _turn(book, inf, "p/a", "a1", {**prog, "tool": "grep"})  # t = 0: a's turn ends, its grep runs
+    clock.t = 0.5
+    _turn(book, inf, "p/b", "b1", {**prog, "tool": "test"})  # b's first turn ends no pause
+    inf.on_admitted(book.sessions["p/b"], 3.0, kept=False)  # a first turn: no evicted context waited
+    clock.t = 2.0
+    _turn(book, inf, "p/a", "a2", {**prog, "tool": "edit"})  # a's grep took 2 s
+    clock.t = 5.0
+    _turn(book, inf, "p/b", "b2", {**prog, "tool": "edit"})  # b's test took 4.5 s
+    inf.on_admitted(book.sessions["p/b"], 3.0, kept=False)  # a returning turn whose context was evicted
+    assert inf.pauses._tools["grep"].support().tolist() == [2.0]
+    assert inf.pauses._tools["test"].support().tolist() == [4.5]
+    assert "edit" not in inf.pauses._tools  # both edits still run
+    assert list(inf.rule._queue_delays_s) == [3.0]  # Continuum's T saw b's second turn only
+    assert book.sessions["p/a"].program_start_s == book.sessions["p/b"].program_start_s == 0.0  # program FCFS
+
+
+def test_a_program_is_released_only_when_every_session_is_silent_past_its_own_lease() -> None:
+    """One program-wide lease was the latest turn's: b's short one released a while a's tool still ran."""
+    book, inf, clock = _setup(silent_min_s=1.0)
+    prog = {"program_id": "p"}
+    _turn(book, inf, "p/a", "a1", prog, n_blocks=4)  # 512 tokens: lease ln(51.2) = 3.9 s
+    clock.t = 1.0
+    _turn(book, inf, "p/b", "b1", prog, n_blocks=1)  # 128 tokens: lease ln(12.8) = 2.5 s
+    a_deadline, b_deadline = book.sessions["p/a"].pin_deadline_s, book.sessions["p/b"].pin_deadline_s
+    assert a_deadline is not None and b_deadline is not None
+    lease_a, lease_b = a_deadline - 0.0, b_deadline - 1.0  # the pins' leases
+    assert lease_a > lease_b > 0
+    clock.t = 1.0 + SILENT_FACTOR * lease_b + 0.5  # b silent past its lease, a's tool may still run
+    assert clock.t < SILENT_FACTOR * lease_a
+    book.expire()
+    inf.sweep()
+    assert {"p/a", "p/b"} <= set(book.sessions) and inf.inferred_releases == 0
+    clock.t = SILENT_FACTOR * lease_a + 0.1  # now a too
+    book.expire()
+    inf.sweep()
+    assert not {"p/a", "p/b"} & set(book.sessions) and inf.inferred_releases == 1

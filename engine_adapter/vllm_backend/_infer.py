@@ -5,8 +5,11 @@ field to its OpenAI request. A client that sends ``extra_body={"vllm_xargs": {"p
 when it knows them, ``tool`` = the tool that runs after this turn, and ``is_last_turn``) gives the engine
 enough to act as Continuum does, with no other process:
 
-- **pause lengths**: the gap from the end of a program's turn k to the arrival of turn k+1 is the tool's
-  pause; it feeds an orchestrator :class:`PauseModel` per tool name (``"unknown"`` when not given);
+- **pause lengths**: the gap from the end of a session's turn k to the arrival of its turn k+1 is the
+  tool's pause; it feeds an orchestrator :class:`PauseModel` per tool name (``"unknown"`` when not
+  given). Per session, not per program: the workers of a multi-agent program run their turns and tools
+  concurrently, and one program-wide "last turn ended at" would pair one worker's turn end with another
+  worker's next arrival (and its tool), mixing their pauses and leases;
 - **pin**: when a turn ends, its context is pinned for Continuum's ``tau*`` (:class:`ContinuumTTL`), with
   the reload cost measured on this engine (seconds per computed token, from its own steps) and the
   queueing delay of turns whose context was not kept (Continuum's T). Continuum's T starts at 0, so no
@@ -14,9 +17,10 @@ enough to act as Continuum does, with no other process:
   times the measured seconds per token (the wait a turn arriving now would see), so pins start as soon
   as a queue forms (:class:`_BacklogTTL`);
 - **program FCFS**: a program's requests are dated by when the engine first saw the program;
-- **release**: at the end of a turn flagged ``is_last_turn``, or when a program stays silent for
-  :data:`SILENT_FACTOR` times its lease (at least :data:`SILENT_MIN_S`): its blocks go to the front of the
-  free queue, since a program that does not come back should not cost anyone a cache hit.
+- **release** (of the whole program): at the end of a turn flagged ``is_last_turn``, or once every session
+  of the program has stayed silent for :data:`SILENT_FACTOR` times its own lease (at least
+  :data:`SILENT_MIN_S`): its blocks go to the front of the free queue, since a program that does not come
+  back should not cost anyone a cache hit.
 
 Explicit hints win: a session that got any hint over ``PushHints`` in the last ``defer_s`` seconds is
 never auto-pinned (the orchestrator knows more than pause statistics). No vLLM import (duck-typed book).
@@ -27,7 +31,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator._pause_model import PauseModel
@@ -68,17 +72,29 @@ def infer_enabled() -> bool:
 
 
 @dataclass
-class _Program:
-    first_seen_s: float
+class _Session:
+    """One session's pause bookkeeping: its pauses are measured between its own turns."""
+
     turns: int = 0
     last_end_s: float | None = None  # when its last turn finished (None while one runs)
     tool: str = UNKNOWN_TOOL  # the tool running since that turn ended
-    lease_s: float = 0.0
-    last_turn_seen: bool = False
+    lease_s: float = 0.0  # the pin its last turn got (0: none)
+    last_turn: bool = False  # its running turn is flagged is_last_turn
+
+    def silent(self, now: float, min_s: float) -> bool:
+        """No turn in flight, and none for far longer than its lease."""
+        return self.last_end_s is not None and now - self.last_end_s >= max(min_s, SILENT_FACTOR * self.lease_s)
+
+
+@dataclass
+class _Program:
+    first_seen_s: float
+    turns: int = 0  # over all its sessions (eta counts a program's turns)
+    sessions: dict[str, _Session] = field(default_factory=dict)
 
 
 class HintInference:
-    """Per-program pause statistics and the pins, priorities and releases they imply (module docstring).
+    """Per-session pause statistics, per-program FCFS and releases, and the pins they imply (module docstring).
 
     Called by the scheduler under its lock: ``on_request`` (arrival), ``on_turn_end`` (before the book
     takes the finished request's blocks), ``after_turn_end``, ``on_admitted``, ``observe_step``, ``sweep``.
@@ -146,33 +162,36 @@ class HintInference:
         p = self.programs.get(s.program_id)
         if p is None:
             p = self.programs[s.program_id] = _Program(first_seen_s=now)
-        elif p.last_end_s is not None:
-            self.pauses.observe(p.tool, max(0.0, now - p.last_end_s))
-        p.last_end_s = None
+        st = p.sessions.setdefault(s.session_id, _Session())
+        if st.last_end_s is not None:
+            self.pauses.observe(st.tool, max(0.0, now - st.last_end_s))
+        st.last_end_s = None
+        st.turns += 1
         p.turns += 1
         tool = extra.get("tool")
-        p.tool = str(tool) if tool else UNKNOWN_TOOL
-        p.last_turn_seen = bool(extra.get("is_last_turn"))
+        st.tool = str(tool) if tool else UNKNOWN_TOOL
+        st.last_turn = bool(extra.get("is_last_turn"))
         if s.program_start_s is None:
             s.program_start_s = p.first_seen_s  # program FCFS; a Priority hint overrides it
 
     def on_admitted(self, s: VSession, queue_delay_s: float, kept: bool) -> None:
         """Continuum's T: how long turns whose context was not kept waited to be admitted."""
-        p = self.programs.get(s.program_id)
-        if p is not None and p.turns > 1 and not kept and queue_delay_s >= 0:
+        st = self._session(s)
+        if st is not None and st.turns > 1 and not kept and queue_delay_s >= 0:  # a returning turn
             self.rule.observe_evicted_queue_delay(queue_delay_s)
 
     def on_turn_end(self, s: VSession, context_tokens: int) -> None:
         """Pin the finished turn's context for tau* unless the orchestrator speaks for this session."""
         now = self.clock()
-        p = self.programs.get(s.program_id)
-        if p is None or len(s.live) > 1:
+        st = self._session(s)
+        if st is None or len(s.live) > 1:
             return  # another turn of the session is in flight: its end decides
-        p.last_end_s = now
-        if p.last_turn_seen or s.released or self._explicit(s.session_id, now):
+        st.last_end_s = now
+        st.lease_s = 0.0
+        if st.last_turn or s.released or self._explicit(s.session_id, now):
             return
-        ttl = self.rule.ttl(p.tool, context_tokens)
-        p.lease_s = ttl
+        ttl = self.rule.ttl(st.tool, context_tokens)
+        st.lease_s = ttl
         if ttl > 0:
             self.book.set_pin(s, ttl)
             self._pinned.add(s.session_id)
@@ -181,7 +200,8 @@ class HintInference:
     def after_turn_end(self, s: VSession) -> None:
         """The blocks are placed; a last turn releases the whole program now."""
         p = self.programs.get(s.program_id)
-        if p is None or not p.last_turn_seen or s.live:
+        st = self._session(s)
+        if p is None or st is None or not st.last_turn or s.live:
             return
         if not self._explicit(s.session_id, self.clock()):
             self.book.release_program(s.program_id)
@@ -196,7 +216,7 @@ class HintInference:
             return
         self._next_sweep_s = now + 1.0
         for pid, p in list(self.programs.items()):
-            if p.last_end_s is None or now - p.last_end_s < max(self.silent_min_s, SILENT_FACTOR * p.lease_s):
+            if not all(st.silent(now, self.silent_min_s) for st in p.sessions.values()):
                 continue
             members = [self.book.sessions[sid] for sid in self.book.programs.get(pid, ()) if sid in self.book.sessions]
             if any(m.live for m in members):
@@ -205,6 +225,10 @@ class HintInference:
                 self.book.release_program(pid)
                 self.inferred_releases += 1
             self._drop(pid)
+
+    def _session(self, s: VSession) -> _Session | None:
+        p = self.programs.get(s.program_id)
+        return p.sessions.get(s.session_id) if p is not None else None
 
     def _drop(self, program_id: str) -> None:
         self.programs.pop(program_id, None)
