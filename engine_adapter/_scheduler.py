@@ -24,11 +24,12 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 
 from ._executor import Clock, ScheduledBatch, ScheduledSeq, StepOutput
-from ._kv_manager import KVCacheManager, PlanMemo, Session, SessionState
+from ._kv_manager import KVCacheManager
+from ._request import Request, RequestState
+from ._session import SessionState
 
 __all__ = ["Request", "RequestState", "Scheduler", "SchedulerConfig"]
 
@@ -51,12 +52,6 @@ class _Step:
             self.cold_left -= n
 
 
-class RequestState(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
@@ -70,76 +65,6 @@ class SchedulerConfig:
     # A request that has waited this long sorts ahead of pins and program order (oldest first), so the
     # turns program FCFS and pins put last still see a first token within about this bound.  None: off.
     ttft_deadline_s: float | None = None
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    session: Session
-    prompt: list[int]
-    max_new_tokens: int
-    arrival_s: float
-    priority: int | None = None
-    stop_token_ids: frozenset[int] = frozenset()
-    on_event: Callable[[Request, list[int], bool], None] | None = None  # (req, new tokens, finished)
-    output: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    state: RequestState = RequestState.WAITING
-    cold: bool = False
-    preempted: bool = False
-    overdue: bool = False  # waited past the scheduler's TTFT deadline
-    num_preemptions: int = 0
-    finish_reason: str = ""
-    # accounting at first admission
-    admitted: bool = False
-    num_cached_tokens: int = 0
-    num_host_hit_tokens: int = 0
-    num_history_tokens: int = 0
-    num_recomputed_tokens: int = 0
-    is_first_turn: bool = False
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    _seq: int = 0
-    # The last prefix plan's walk, reused while the request waits and nothing it read changed (the
-    # scheduler re-plans every queued request at every step it looks at them).
-    _plan_memo: PlanMemo = field(default_factory=PlanMemo, repr=False)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output if self.output else self.prompt
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        """``tokens[start:end]`` without building ``tokens`` (a decode step wants one token of a long context)."""
-        n = len(self.prompt)
-        if end <= n:
-            return self.prompt[start:end]
-        if start >= n:
-            return self.output[start - n : end - n]
-        return self.prompt[start:] + self.output[: end - n]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def queue_wait_s(self) -> float:
-        return (self.first_scheduled_s or self.arrival_s) - self.arrival_s
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-    def sort_key(self, aging_s: float | None = None) -> tuple[int, int, int, float, float, int]:
-        if self.overdue:  # after preempted requests, before everything else, by arrival
-            return (0 if self.preempted else 1, -1, -1, self.arrival_s, self.arrival_s, self._seq)
-        s = self.session
-        pinned = s.pin_deadline_s is not None
-        prio = self.priority if self.priority is not None else s.priority_class
-        start = s.program_start_s if s.program_start_s is not None else self.arrival_s
-        if aging_s is not None:
-            start = max(start, self.arrival_s - aging_s)
-        return (0 if self.preempted else 1, 0 if pinned else 1, prio, start, self.arrival_s, self._seq)
 
 
 class Scheduler:

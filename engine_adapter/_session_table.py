@@ -1,0 +1,240 @@
+"""The KV manager's state and its bookkeeping: the table of sessions, the eviction heaps, the queued
+turns' contexts, and pin leases over device blocks.
+
+Why apart from ``_kv_manager``: everything here reads or writes that state without moving a block
+between tiers; ``HostTier`` (``_host_tier``) adds the copies and ``KVCacheManager`` the context
+lifecycle (attach, run, park, free) on top.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from ._block_pool import NONE_HASH, BlockPool, hash_block_tokens
+from ._eviction import SessionHeap, get_eviction_policy
+from ._executor import Clock, CopyOp
+from ._session import Session, SessionState
+
+__all__ = ["KVStats", "PinResult", "SessionTable"]
+
+
+@dataclass
+class PinResult:
+    pinned_blocks: int
+    requested_blocks: int
+    deferred: bool = False  # the session is running or waiting: the pin applies when it parks
+
+    @property
+    def clamped(self) -> bool:
+        return self.pinned_blocks < self.requested_blocks and not self.deferred
+
+
+@dataclass
+class KVStats:
+    evicted_blocks: int = 0
+    offloaded_blocks: int = 0
+    reloaded_blocks: int = 0
+    dropped_host_blocks: int = 0
+    evicted_sessions: int = 0
+    pin_expiries: int = 0
+    pin_clamps: int = 0
+    forced_unpins: int = 0
+    prefetched_blocks: int = 0
+    skipped_prefetches: int = 0  # due while a queued turn waited for memory (see _prefetch)
+
+
+class SessionTable:
+    """Pools, sessions and pins of one node (``KVCacheManager`` is the class to use)."""
+
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        clock: Clock,
+        *,
+        pin_budget_fraction: float = 0.5,
+        eviction_policy: str = "hinted",
+        retain_contexts: bool = True,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= pin_budget_fraction < 1.0:
+            raise ValueError(f"pin_budget_fraction must be in [0, 1), got {pin_budget_fraction}")
+        self.block_size = block_size
+        self.clock = clock
+        self.device = BlockPool(num_device_blocks)
+        self.host = BlockPool(num_host_blocks, enable_prefix_index=False)
+        self.pin_budget_blocks = int(pin_budget_fraction * num_device_blocks)
+        self.policy = get_eviction_policy(eviction_policy)
+        # False reproduces vLLM: a finished request's blocks go straight to the free queue (LRU).
+        self.retain_contexts = retain_contexts
+        self.sessions: dict[str, Session] = {}
+        self.programs: dict[str, set[str]] = {}
+        self.pending_copies: list[CopyOp] = []
+        self.stats = KVStats()
+        self._pin_count = [0] * num_device_blocks
+        self.num_pinned_blocks = 0
+        self._device_evictable: SessionHeap[Session] = SessionHeap()
+        self._host_holders: SessionHeap[Session] = SessionHeap()
+        self._pin_expiry: list[tuple[float, int, str]] = []
+        self._prefetch_due: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        # Only set_waiting makes a session WAITING, so every WAITING session is a key here: the queued
+        # turns' contexts are found without a scan of every session this node ever held (a replay's
+        # memory-bound steps looked for a waiting victim at every eviction).
+        self._maybe_waiting: dict[Session, None] = {}
+        self._creation_seq: dict[Session, int] = {}  # order of insertion into ``sessions``
+        self._session_seq = itertools.count()
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def get_or_create(self, session_id: str, program_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            now = self.clock.now()
+            s = Session(session_id, program_id or session_id, created_s=now, last_used_s=now)
+            s._bs = self.block_size
+            self.sessions[session_id] = s
+            self._creation_seq[s] = next(self._session_seq)
+            self.programs.setdefault(s.program_id, set()).add(session_id)
+        return s
+
+    def _refresh(self, s: Session) -> None:
+        """Keep the two eviction heaps in step with one session's state (call after every change)."""
+        if s.state is SessionState.PARKED and len(s.block_ids) > s.pinned_blocks:
+            self._device_evictable.set(s, self.policy.ref_time(s))
+        else:
+            self._device_evictable.discard(s)
+        if s.host_block_ids:
+            self._host_holders.set(s, self.policy.ref_time(s))
+        else:
+            self._host_holders.discard(s)
+
+    def _rehash(self, s: Session) -> None:
+        """Extend ``block_hashes`` over full blocks and publish them (first writer wins)."""
+        bs = self.block_size
+        parent = s.block_hashes[-1] if s.block_hashes else NONE_HASH
+        for j in range(len(s.block_hashes), min(len(s.token_ids) // bs, len(s.block_ids))):
+            toks = tuple(s.token_ids[j * bs : (j + 1) * bs])
+            h = hash_block_tokens(parent, toks)
+            self.device.register(s.block_ids[j], h, parent, toks)
+            s.block_hashes.append(h)
+            s.epoch += 1
+            parent = h
+
+    def set_waiting(self, s: Session) -> None:
+        s.state = SessionState.WAITING
+        self._maybe_waiting[s] = None
+        self._refresh(s)
+
+    def _waiting_sessions(self) -> list[Session]:
+        """The sessions in ``sessions`` that are WAITING, in no particular order (prunes ``_maybe_waiting``)."""
+        out = []
+        for s in list(self._maybe_waiting):
+            if s.state is SessionState.WAITING and self.sessions.get(s.session_id) is s:
+                out.append(s)
+            else:
+                del self._maybe_waiting[s]  # (set_waiting puts it back when it waits again)
+        return out
+
+    def _waiting_victim(self, exclude: Session | None) -> Session | None:
+        """Last resort before preempting a running request: the context of a queued turn."""
+        # The largest order; among equals the session that came first in ``sessions``.
+        def order(x: Session) -> tuple[int, float, int]:
+            start = x.program_start_s if x.program_start_s is not None else x.created_s
+            return (x.priority_class, start, -self._creation_seq.get(x, 0))
+
+        best: Session | None = None
+        for s in self._waiting_sessions():
+            evictable = s is not exclude and len(s.block_ids) > s.pinned_blocks
+            if evictable and (best is None or order(s) > order(best)):
+                best = s
+        return best
+
+    # ---- pins ----------------------------------------------------------------------------------
+    def set_pin(self, s: Session, ttl_s: float) -> PinResult:
+        if ttl_s <= 0:
+            self._unpin(s)
+            s.pin_deadline_s = None
+            self._refresh(s)
+            return PinResult(0, 0)
+        now = self.clock.now()
+        s.pin_deadline_s = now + ttl_s
+        s.pin_seq = next(self._seq)
+        heapq.heappush(self._pin_expiry, (s.pin_deadline_s, s.pin_seq, s.session_id))
+        if s.state is not SessionState.PARKED:
+            return PinResult(0, len(s.block_ids), deferred=True)
+        result = self._grant_pin(s)
+        self._refresh(s)
+        return result
+
+    def _grant_pin(self, s: Session) -> PinResult:
+        want = len(s.block_ids)
+        j = s.pinned_blocks
+        while j < want:
+            bid = s.block_ids[j]
+            if self._pin_count[bid] == 0:
+                if self.num_pinned_blocks >= self.pin_budget_blocks:
+                    break
+                self.num_pinned_blocks += 1
+            self._pin_count[bid] += 1
+            j += 1
+        s.pinned_blocks = j
+        result = PinResult(j, want)
+        if result.clamped:
+            self.stats.pin_clamps += 1
+        return result
+
+    def _unpin(self, s: Session) -> None:
+        for bid in s.block_ids[: s.pinned_blocks]:
+            self._pin_count[bid] -= 1
+            if self._pin_count[bid] == 0:
+                self.num_pinned_blocks -= 1
+        s.pinned_blocks = 0
+
+    def consume_pin(self, s: Session) -> None:
+        """The session's turn was admitted: its pin has done its job."""
+        self._unpin(s)
+        s.pin_deadline_s = None
+        self._refresh(s)
+
+    def force_unpin_latest(self) -> bool:
+        """Deadlock rule: pinned memory blocks all progress, so the latest-arriving program lets go."""
+        pinned = [s for s in self.sessions.values() if s.pinned_blocks]
+        if not pinned:
+            return False
+        s = max(pinned, key=lambda x: (x.program_start_s or x.created_s, x.created_s))
+        self._unpin(s)
+        s.pin_deadline_s = None
+        self.stats.forced_unpins += 1
+        self._refresh(s)
+        return True
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        self.device.check_invariants()
+        self.host.check_invariants()
+        dev_refs = [0] * self.device.num_blocks
+        host_refs = [0] * self.host.num_blocks
+        pins = [0] * self.device.num_blocks
+        for s in self.sessions.values():
+            for bid in s.block_ids:
+                dev_refs[bid] += 1
+            for hb in s.host_block_ids:
+                host_refs[hb] += 1
+            for bid in s.block_ids[: s.pinned_blocks]:
+                pins[bid] += 1
+            if s.pinned_blocks > len(s.block_ids):
+                raise AssertionError(f"{s.session_id}: pins past its blocks")
+        for b in self.device.blocks:
+            if b.ref_cnt != dev_refs[b.block_id]:
+                raise AssertionError(f"device {b!r}: ref_cnt != {dev_refs[b.block_id]} session references")
+        for b in self.host.blocks:
+            if b.ref_cnt != host_refs[b.block_id]:
+                raise AssertionError(f"host {b!r}: ref_cnt != {host_refs[b.block_id]} session references")
+        if pins != self._pin_count or sum(1 for p in pins if p) != self.num_pinned_blocks:
+            raise AssertionError("pin counts disagree with sessions")
+        if self.num_pinned_blocks > max(self.pin_budget_blocks, 0):
+            raise AssertionError("pinned blocks over budget")
