@@ -35,7 +35,9 @@ decision stays vLLM's. What it adds, and where:
   first schedules it; its first token is noted after ``update_from_output``; ``_free_request_blocks``
   keeps the tokens it computed as its session's history for the next turn.
 
-All of it runs under ``self.hint_lock``, which the hint service (another thread) takes too.
+All of it runs under ``self.hint_lock``, which the hint service (another thread) takes too. Every vLLM
+internal used here (and in the modules it drives) is listed in ``_compat.REQUIRED`` and checked when the
+scheduler is constructed: a vLLM that lacks one fails at start-up, naming it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-fo
 
 from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, PRIORITY_SCALE, QueueRules
+from ._compat import check_vllm_internals
 from ._infer import HintInference, infer_enabled
 from ._sessions import SessionBook, VSession
 
@@ -82,6 +85,9 @@ class HintflowScheduler(QueueRules, Scheduler):  # type: ignore[misc]
     (inf: a request waiting this long goes first)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before vLLM builds anything: a vLLM without the internals this class relies on fails here, naming
+        # them, instead of with an AttributeError mid-step or a hook that is silently never called (_compat).
+        check_vllm_internals()
         super().__init__(*args, **kwargs)
         self.hint_lock = threading.RLock()
         pool = self.kv_cache_manager.block_pool

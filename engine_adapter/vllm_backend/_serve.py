@@ -21,6 +21,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from ._compat import check_vllm_python
+
 __all__ = [
     "SCHEDULER_CLS",
     "build_vllm_command",
@@ -161,8 +163,13 @@ def serve_vllm(model_dir: str | Path, **kw: object) -> int:
     """Run the server in the foreground until it exits (Ctrl-C stops it); its exit status.
 
     Keyword arguments are :func:`build_vllm_command`'s. Output goes to this process's stdout/stderr.
+    With hintflow's scheduler, the vLLM it runs on is checked first (``_compat.check_vllm_python``, about
+    7 s against the server's 30-60 s start): a vLLM that lacks an internal the scheduler relies on raises
+    ``RuntimeError`` naming it here, rather than deep in the engine core's start-up log.
     """
     argv, env = build_vllm_command(model_dir, **kw)  # type: ignore[arg-type]
+    if kw.get("hintflow", True):
+        check_vllm_python(argv[0], env)
     proc = subprocess.Popen(argv, env=env)
     try:
         return proc.wait()

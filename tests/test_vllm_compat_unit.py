@@ -1,0 +1,205 @@
+"""The check that the installed vLLM has every internal hintflow's scheduler relies on (``_compat``).
+
+Without vLLM: stand-in classes with every required name pass; one name fewer, a class gone, or an
+overridden hook that vLLM's scheduler no longer calls raise ``RuntimeError`` naming the installed version,
+each missing name and the tested one; another version with every name logs one warning; ``serve_vllm``
+checks before it launches anything. With the vLLM venv's Python (skipped, saying why, where there is
+none): the installed vLLM passes, and ``HintflowScheduler`` fails at construction, before vLLM builds
+anything, once a name is deleted from vLLM's own ``Scheduler`` or its hook is no longer called.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from engine_adapter.vllm_backend import _serve
+from engine_adapter.vllm_backend._compat import (
+    OVERRIDDEN_HOOKS,
+    REQUIRED,
+    TESTED_VLLM_VERSION,
+    check_vllm_python,
+    missing_internals,
+    verdict,
+)
+
+
+class _SchedulerBase:
+    """Like vLLM's: its own code calls the hooks hintflow overrides, and ``__init__`` sets its state."""
+
+    def __init__(self) -> None:
+        self.kv_cache_manager = None
+        self.waiting = None
+
+    def _free_blocks(self, request: Any) -> None:
+        self._free_request_blocks(request)
+
+    def _free_request_blocks(self, request: Any) -> None:
+        pass
+
+    def schedule(self) -> bool:
+        return self._handle_blocked_waiting_request(None)
+
+    def _handle_blocked_waiting_request(self, request: Any) -> bool:
+        return True
+
+
+def _stand_ins(drop: str = "", base: type = _SchedulerBase) -> dict[str, type | None]:
+    """A class per required owner with every required name, less ``drop`` (``Owner.name``)."""
+    classes: dict[str, type | None] = {}
+    for owner, (_, names) in REQUIRED.items():
+        bases = (base,) if owner == "Scheduler" else ()
+        attrs = {n: None for n in names if f"{owner}.{n}" != drop and not any(hasattr(b, n) for b in bases)}
+        classes[owner] = type(owner, bases, attrs)
+    return classes
+
+
+def test_stand_ins_with_every_name_pass_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    assert missing_internals(_stand_ins()) == []
+    with caplog.at_level(logging.WARNING, logger="vllm.hintflow"):
+        verdict(TESTED_VLLM_VERSION, [])
+        verdict(TESTED_VLLM_VERSION + "+cpu", [])  # a local build of the same release
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize(
+    "drop", ["Scheduler._request_blocks_can_be_freed", "BlockPool.free_block_queue", "Request.session_id"]
+)
+def test_a_missing_name_fails_naming_it_and_both_versions(drop: str) -> None:
+    missing = missing_internals(_stand_ins(drop))
+    assert missing == [drop]
+    with pytest.raises(RuntimeError) as err:
+        verdict("0.33.1", missing)
+    msg = str(err.value)
+    assert "vLLM 0.33.1" in msg and drop in msg and f"tested against vLLM {TESTED_VLLM_VERSION}" in msg
+
+
+def test_names_set_in_init_and_dataclass_fields_count_as_present() -> None:
+    """vLLM keeps most scheduler state as attributes its ``__init__`` assigns: no class attribute."""
+    from dataclasses import make_dataclass
+
+    classes = _stand_ins()
+    in_init = {"kv_cache_manager", "waiting"}  # only _SchedulerBase.__init__ sets these
+    attrs = {n: None for n in REQUIRED["Scheduler"][1] if not hasattr(_SchedulerBase, n) and n not in in_init}
+    classes["Scheduler"] = type("Scheduler", (_SchedulerBase,), attrs)
+    classes["SchedulerOutput"] = make_dataclass(
+        "SchedulerOutput", [(n, int) for n in REQUIRED["SchedulerOutput"][1]]
+    )
+    assert not any(hasattr(classes["Scheduler"], n) for n in in_init)
+    assert not hasattr(classes["SchedulerOutput"], "scheduled_new_reqs")  # a field without a default
+    assert missing_internals(classes) == []
+
+
+def test_a_hook_vllm_no_longer_calls_fails_and_a_vanished_class_is_named() -> None:
+    class Refactored(_SchedulerBase):
+        def _free_blocks(self, request: Any) -> None:  # frees without the hook hintflow overrides
+            pass
+
+    missing = missing_internals(_stand_ins(base=Refactored))
+    assert missing == [
+        "Scheduler._free_request_blocks (overridden by hintflow, but no longer called by vLLM)"
+    ]
+    assert set(OVERRIDDEN_HOOKS) == {"_free_request_blocks", "_handle_blocked_waiting_request"}
+
+    classes = _stand_ins()
+    classes["FreeKVCacheBlockQueue"] = None
+    assert missing_internals(classes) == ["vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue (the class)"]
+
+
+def test_another_version_with_every_name_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="vllm.hintflow"):
+        verdict("0.33.0", [])
+    assert len(caplog.records) == 1
+    text = caplog.records[0].getMessage()
+    assert "0.33.0" in text and TESTED_VLLM_VERSION in text
+
+
+def test_serve_checks_before_launching(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    launched: list[Any] = []
+    checked: list[str] = []
+
+    def check(python: str, env: Any = None) -> str:
+        checked.append(python)
+        verdict("0.40.0", ["BlockPool.touch"])
+        return "0.40.0"
+
+    monkeypatch.setattr(_serve, "check_vllm_python", check)
+    monkeypatch.setattr(_serve.subprocess, "Popen", lambda *a, **k: launched.append(a))
+    with pytest.raises(RuntimeError, match=r"BlockPool\.touch"):
+        _serve.serve_vllm(tmp_path, python="py", state_dir=tmp_path / "state")
+    assert checked == ["py"] and launched == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is importable here")
+def test_a_python_without_vllm_is_reported() -> None:
+    with pytest.raises(RuntimeError, match="could not check vLLM's internals") as err:
+        check_vllm_python(sys.executable)
+    assert "vllm" in str(err.value)  # the child's error, e.g. "No module named 'vllm'"
+
+
+# ---- against the installed vLLM ---------------------------------------------------------------------------
+
+_MUTATE = r"""
+import json
+from vllm.v1.core.sched.scheduler import Scheduler
+from engine_adapter.vllm_backend._scheduler import HintflowScheduler
+
+def construct():
+    try:
+        HintflowScheduler(None, None)  # fails in our check, before vLLM's __init__ reads its arguments
+    except RuntimeError as e:
+        return str(e)
+    except Exception as e:  # vLLM's __init__ ran: the check passed
+        return "passed: " + type(e).__name__
+
+out = {"intact": construct()}
+saved = Scheduler._request_blocks_can_be_freed
+del Scheduler._request_blocks_can_be_freed  # as a vLLM upgrade that dropped it
+out["deleted"] = construct()
+Scheduler._request_blocks_can_be_freed = saved
+for name, f in list(vars(Scheduler).items()):  # as an upgrade that frees blocks without the hook
+    code = getattr(f, "__code__", None)
+    if name != "_free_request_blocks" and code is not None and "_free_request_blocks" in code.co_names:
+        setattr(Scheduler, name, lambda self, *a, **k: None)
+out["hook"] = construct()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> tuple[str, dict[str, str]]:
+    """The vLLM venv's Python, and an environment in which it imports ``engine_adapter``."""
+    from tests.vllm_support import vllm_python_or_skip
+
+    python = vllm_python_or_skip()
+    pythonpath = os.pathsep.join(p for p in (str(_serve.REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return python, {**os.environ, "PYTHONPATH": pythonpath}
+
+
+@pytest.mark.slow
+def test_the_installed_vllm_passes_the_check(vllm_env: tuple[str, dict[str, str]]) -> None:
+    python, env = vllm_env
+    assert check_vllm_python(python, env) == TESTED_VLLM_VERSION
+
+
+@pytest.mark.slow
+def test_the_scheduler_fails_at_construction_once_vllm_lacks_an_internal(
+    vllm_env: tuple[str, dict[str, str]],
+) -> None:
+    python, env = vllm_env
+    r = subprocess.run([python, "-c", _MUTATE], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["intact"].startswith("passed: ")
+    for case, name in (
+        ("deleted", "Scheduler._request_blocks_can_be_freed"),
+        ("hook", "Scheduler._free_request_blocks (overridden by hintflow, but no longer called by vLLM)"),
+    ):
+        assert f"vLLM {TESTED_VLLM_VERSION}" in out[case] and name in out[case], out[case]
