@@ -18,13 +18,11 @@ where none of them has vLLM.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import threading
 import time
-import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +45,13 @@ from hints import (
     engine_pb2,
     engine_pb2_grpc,
 )
-from tests.vllm_support import free_port, vllm_python_or_skip
-
-REPO = Path(__file__).resolve().parents[1]
-
+from tests.vllm_support import free_port, tiny_model, vllm_python_or_skip, vllm_server
 
 VLLM_PYTHON = vllm_python_or_skip()
 
 
 BS = 128
 NUM_BLOCKS = 32
-SCHED = "engine_adapter.vllm_backend._scheduler.HintflowScheduler"
 
 
 class Node:
@@ -139,82 +133,42 @@ def shared_node(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config)
     from engine_adapter.vllm_backend._kv_subscriber import KvEventSubscriber
 
     root = tmp_path_factory.mktemp("vllm")
-    model = root / "model"
-    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    subprocess.run(  # transformers/tokenizers live beside vLLM, not necessarily here
-        [VLLM_PYTHON, "-m", "hintflow", "make-tiny-model", str(model)],
-        check=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": pythonpath},
-    )
-    for d in ("cache", "inductor", "rpc", "tmp"):
-        (root / d).mkdir()
-    http_port, hint_port, metrics_port, kv_port = free_port(), free_port(), free_port(), free_port()
+    model = tiny_model(tmp_path_factory, VLLM_PYTHON)
+    hint_port, metrics_port, kv_port = free_port(), free_port(), free_port()
     kv_endpoint = f"tcp://127.0.0.1:{kv_port}"
+    # Closed last in, first out when pytest ends (or at once if the server does not start).
+    stack = ExitStack()
+    stack.callback(_SHARED.clear)
     kv = KvEventSubscriber(kv_endpoint, topic="kv", bind=True).start()
-    env = {
-        **os.environ,
-        "VLLM_CACHE_ROOT": str(root / "cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-        "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-        "TMPDIR": str(root / "tmp"),
-        "HINTFLOW_HINT_PORT": str(hint_port),
-        "HINTFLOW_METRICS_PORT": str(metrics_port),
-        "HINTFLOW_PIN_BUDGET": "0.6",
-        "HINTFLOW_INFER_HINTS": "0",  # explicit hints only: unhinted sessions are vanilla controls here
-        # strict program FCFS: the Priority test's hour-old program must not be clamped to the 3 s aging
-        "HINTFLOW_PRIORITY_AGING_S": "inf",
-        "PYTHONPATH": pythonpath,
-    }
-    cmd = [
-        VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(http_port), "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "2048", "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--gpu-memory-utilization", "0.1", "--max-num-seqs", "1", "--scheduling-policy", "priority",
-        "--enable-prompt-tokens-details", "--scheduler-cls", SCHED,
+    stack.callback(kv.stop)
+    flags = [
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+        "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "1",
         "--kv-events-config", kv_events_config(kv_endpoint, topic="kv"),
     ]  # fmt: skip
-    log = open(root / "server.log", "wb")  # noqa: SIM115 (closed at the end of the session)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
-
-    def stop() -> None:
-        _SHARED.clear()
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        kv.stop()
-
+    # build_vllm_command adds the rest: our scheduler, --scheduling-policy priority,
+    # --gpu-memory-utilization 0.1, --enable-prompt-tokens-details
+    env = {
+        # strict program FCFS: the Priority test's hour-old program must not be clamped to the 3 s aging
+        "HINTFLOW_PRIORITY_AGING_S": "inf",
+    }
     try:
-        deadline = time.monotonic() + 150
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM exited {proc.returncode}:\n{(root / 'server.log').read_text()[-4000:]}"
-                )
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, OSError):
-                if time.monotonic() > deadline:
-                    raise TimeoutError((root / "server.log").read_text()[-4000:]) from None
-                time.sleep(1)
+        server = stack.enter_context(
+            vllm_server(
+                VLLM_PYTHON, model, root, extra_args=flags, env=env, state_dir=root,
+                hint_port=hint_port, metrics_port=metrics_port, pin_budget=0.6,
+                infer_hints=False,  # explicit hints only: unhinted sessions are vanilla controls here
+            )
+        )  # fmt: skip
     except BaseException:
-        stop()
+        stack.close()
         raise
-    n = Node(http_port, hint_port, str(model))
+    n = Node(server.port, hint_port, str(model))
     n.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     n.kv = kv
-    n.log_path = root / "server.log"
-
-    def close() -> None:
-        n.channel.close()
-        stop()
-
-    config.add_cleanup(close)
+    n.log_path = server.log_path
+    stack.callback(n.channel.close)
+    config.add_cleanup(stack.close)
     _SHARED["node"] = n
     return n
 

@@ -7,18 +7,15 @@ is fixed with ``HINTFLOW_INFER_RELOAD_S_PER_TOKEN=0.1`` (a profile, as Continuum
 rule (tools ~ Exp(1 s)) pins a 5-block context for ln(64) ~ 4 s; measured on this tiny model the reload
 is so cheap that Continuum's rule would only pin once queueing delays are seen. Anonymous requests (no
 session, no program) get vLLM's default treatment and are the control. Skipped, saying why, only where no
-Python with vLLM exists (``_vllm_python`` as in tests/test_vllm_backend.py).
+Python with vLLM exists (``vllm_python_or_skip`` in tests/vllm_support.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -36,14 +33,9 @@ from hints import (
     engine_pb2,
     engine_pb2_grpc,
 )
-from tests.vllm_support import free_port, vllm_python_or_skip
-
-REPO = Path(__file__).resolve().parents[1]
-
+from tests.vllm_support import free_port, tiny_model, vllm_python_or_skip, vllm_server
 
 VLLM_PYTHON = vllm_python_or_skip()
-
-from engine_adapter.vllm_backend._serve import build_vllm_command, start_vllm, stop_vllm, wait_healthy  # noqa: E402
 
 BS = 128
 
@@ -93,28 +85,17 @@ class Node:
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     assert VLLM_PYTHON is not None
     root = tmp_path_factory.mktemp("vllm-infer")
-    model = root / "model"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run(
-        [VLLM_PYTHON, "-m", "hintflow", "make-tiny-model", str(model)], check=True, timeout=300, env=env
-    )
-    http_port, hint_port = free_port(), free_port()
+    hint_port = free_port()
     flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
              "--num-gpu-blocks-override", "32"]  # fmt: skip
-    argv, env = build_vllm_command(
-        model, port=http_port, hint_port=hint_port, pin_budget=0.6, state_dir=root / "state",
-        python=VLLM_PYTHON, extra_args=flags, infer_hints=True,
-    )  # fmt: skip
-    env["HINTFLOW_INFER_RELOAD_S_PER_TOKEN"] = "0.1"
-    log = root / "server.log"
-    proc = start_vllm(argv, env, log, cwd=root)
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{http_port}", log, timeout_s=150)
-        n = Node(http_port, hint_port, str(model))
+    with vllm_server(
+        VLLM_PYTHON, tiny_model(tmp_path_factory, VLLM_PYTHON), root, extra_args=flags,
+        env={"HINTFLOW_INFER_RELOAD_S_PER_TOKEN": "0.1"}, state_dir=root / "state",
+        hint_port=hint_port, pin_budget=0.6, infer_hints=True,
+    ) as server:  # fmt: skip
+        n = Node(server.port, hint_port, str(server.model))
         yield n
         n.channel.close()
-    finally:
-        stop_vllm(proc)
 
 
 def test_program_id_and_tool_alone_keep_the_context_across_a_flood(node: Node) -> None:

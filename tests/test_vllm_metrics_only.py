@@ -8,39 +8,25 @@ only where no Python with vLLM exists.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import tempfile
 import urllib.request
 from pathlib import Path
 
-from tests.vllm_support import free_port, vllm_python_or_skip
+import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.vllm_support import free_port, tiny_model, vllm_python_or_skip, vllm_server
+
 VLLM_PYTHON = vllm_python_or_skip()
 
-from engine_adapter.vllm_backend._serve import build_vllm_command, start_vllm, stop_vllm, wait_healthy  # noqa: E402
 
-
-def test_metrics_without_a_hint_service(tmp_path: Path) -> None:
+def test_metrics_without_a_hint_service(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     assert VLLM_PYTHON is not None
-    model = tmp_path / "model"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([VLLM_PYTHON, "-m", "hintflow", "make-tiny-model", str(model)], check=True, timeout=300, env=env)
-    http_port, metrics_port = free_port(), free_port()
-    state = Path(tempfile.mkdtemp(prefix="hfm-"))  # vLLM's IPC socket paths must stay under 107 bytes
+    model = tiny_model(tmp_path_factory, VLLM_PYTHON)
+    metrics_port = free_port()
     flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--num-gpu-blocks-override", "24"]
-    argv, env = build_vllm_command(
-        model, port=http_port, metrics_port=metrics_port, state_dir=state, python=VLLM_PYTHON,
-        extra_args=flags,
-    )  # fmt: skip
-    assert "HINTFLOW_HINT_PORT" not in env
-    log = tmp_path / "server.log"
-    proc = start_vllm(argv, env, log, cwd=tmp_path)
-    try:
-        base = f"http://127.0.0.1:{http_port}"
-        wait_healthy(proc, base, log, timeout_s=150)
+    # state in a short temporary folder (the helper's default): vLLM's IPC socket paths must stay under 107 bytes
+    with vllm_server(VLLM_PYTHON, model, tmp_path, extra_args=flags, metrics_port=metrics_port) as server:
+        assert "HINTFLOW_HINT_PORT" not in server.env
+        log, base = server.log_path, server.base_url
         body = {"model": str(model), "prompt": list(range(10, 310)), "max_tokens": 2,
                 "vllm_xargs": {"program_id": "p"}}  # fmt: skip
         req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
@@ -57,6 +43,3 @@ def test_metrics_without_a_hint_service(tmp_path: Path) -> None:
         assert float(lines["hintflow_kv_total_blocks"]) == 23  # 24 less vLLM's reserved null block
         assert float(lines["hintflow_num_requests_running"]) == 0.0
         assert "hintflow hint service" not in log.read_text()
-    finally:
-        stop_vllm(proc)
-        shutil.rmtree(state, ignore_errors=True)
