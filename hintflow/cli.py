@@ -220,8 +220,8 @@ def serve(
             hint_host = os.environ.get("HINTFLOW_HINT_HOST", "127.0.0.1")  # where the scheduler binds it
             spec = f"vllm+http://{host}:{port}?hints={hint_host}:{hint_port}"
             click.echo(f"hintflow: orchestrators name this node --engines {spec}", err=True)
-        raise SystemExit(
-            serve_vllm(
+        try:
+            status = serve_vllm(
                 vllm_model,
                 host=host,
                 port=port,
@@ -233,7 +233,9 @@ def serve(
                 python=vllm_python,
                 extra_args=list(vllm_args),
             )
-        )
+        except RuntimeError as e:  # an incompatible vLLM, or one that exited at start-up: say so, no traceback
+            raise click.ClickException(str(e)) from None
+        raise SystemExit(status)
     if vllm_args:
         raise click.UsageError(
             f"unexpected arguments {' '.join(vllm_args)!r} (only --backend vllm passes flags on)"

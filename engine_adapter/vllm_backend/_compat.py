@@ -224,6 +224,11 @@ def check_vllm_python(python: str, env: Mapping[str, str] | None = None, timeout
             report = json.loads(r.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
             report = None
+    if report is None and "No module named 'vllm'" in r.stderr:
+        raise RuntimeError(
+            f"{python} has no vLLM installed: pass --vllm-python with the Python of a vLLM "
+            f"{TESTED_VLLM_VERSION} environment (`scripts/install.sh vllm` makes .venv-vllm)"
+        )
     if report is None:
         raise RuntimeError(
             f"could not check vLLM's internals with {python} (exit {r.returncode}):\n{r.stderr[-2000:]}"
