@@ -14,29 +14,18 @@ the node's state already reflects the hint.
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-from hints import (
-    CacheState,
-    EvictionOrder,
-    Expect,
-    HintDecodeError,
-    HintModel,
-    HintResult,
-    Pin,
-    Prefetch,
-    Priority,
-    Release,
-    SessionResidency,
-)
+from hints import CacheState, HintDecodeError, HintModel, HintResult, SessionResidency
 
+from ._context_transfer import ContextData, export_context, import_context
+from ._engine_errors import EngineError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from ._executor import Clock, Executor, MonotonicClock, ScheduledBatch, StepOutput, VirtualClock
+from ._hint_enforcement import apply_hint
 from ._kv_manager import KVCacheManager, SessionState
 from ._scheduler import Request, Scheduler, SchedulerConfig
 
@@ -52,49 +41,12 @@ __all__ = [
 ]
 
 
-class EngineError(Exception):
-    code = "INTERNAL"
-
-
-class InvalidArgument(EngineError, ValueError):
-    code = "INVALID_ARGUMENT"
-
-
-class NotFound(EngineError, KeyError):
-    code = "NOT_FOUND"
-
-    def __str__(self) -> str:  # KeyError quotes its message otherwise
-        return str(self.args[0]) if self.args else ""
-
-
-class FailedPrecondition(EngineError):
-    code = "FAILED_PRECONDITION"
-
-
-class ResourceExhausted(EngineError):
-    code = "RESOURCE_EXHAUSTED"
-
-
 class EngineObserver(Protocol):
     """What metrics (or a replay harness) hear from the engine; every method is called under the lock."""
 
     def on_request_finished(self, req: Request) -> None: ...
     def on_step(self, batch: ScheduledBatch, out: StepOutput) -> None: ...
     def on_hints(self, hints: Sequence[HintModel | HintDecodeError], results: Sequence[HintResult]) -> None: ...
-
-
-@dataclass
-class ContextData:
-    """A session's KV context as bytes, to move between nodes (the wire form is ``ContextBlob``)."""
-
-    session_id: str
-    program_id: str
-    token_ids: list[int]
-    block_size: int
-    model_fingerprint: str
-    dtype: str
-    shape: tuple[int, ...]
-    kv_data: bytes
 
 
 class EngineCore:
@@ -207,13 +159,13 @@ class EngineCore:
         for o in self.observers:
             o.on_request_finished(req)
 
-    # ---- hints ---------------------------------------------------------------------------------
+    # ---- hints (what each one does: _hint_enforcement) -----------------------------------------
     def apply_hints(self, hints: Sequence[HintModel | HintDecodeError]) -> list[HintResult]:
         results = []
         with self.lock:
             for i, h in enumerate(hints):
                 try:
-                    results.append(self._apply(i, h))
+                    results.append(apply_hint(self, i, h))
                 except EngineError as e:
                     results.append(HintResult(index=i, code=e.code, message=str(e)[:4000]))
             for o in self.observers:
@@ -226,53 +178,6 @@ class EngineCore:
         if s is None:
             raise NotFound(f"unknown session {session_id!r} on node {self.node_id}")
         return s
-
-    def _apply(self, i: int, h: HintModel | HintDecodeError) -> HintResult:
-        if isinstance(h, HintDecodeError):
-            raise InvalidArgument(str(h))
-        now = self.clock.now()
-        if isinstance(h, Pin):
-            s = self._session(h.session_id)
-            r = self.kv.set_pin(s, h.ttl_s)
-            msg = "pin applies when the running turn ends" if r.deferred else ""
-            if r.clamped:
-                msg = f"pin clamped to {r.pinned_blocks} of {r.requested_blocks} blocks by the pin budget"
-            self.scheduler.mark_priorities_changed()
-            return HintResult(
-                index=i, message=msg, clamped=r.clamped, pinned_blocks=r.pinned_blocks, requested_blocks=r.requested_blocks
-            )
-        if isinstance(h, EvictionOrder):
-            unknown = []
-            for e in h.entries:
-                s = self.kv.sessions.get(e.session_id)
-                if s is None:
-                    unknown.append(e.session_id)
-                else:
-                    self.kv.set_next_use(s, e.next_use_s)
-            if unknown:
-                raise NotFound(f"{len(unknown)} unknown session(s), e.g. {unknown[0]!r}; the others were applied")
-            return HintResult(index=i)
-        if isinstance(h, Priority):
-            sessions = [self._session(h.session_id)]
-            if h.program_id:
-                sessions += [self.kv.sessions[sid] for sid in self.kv.programs.get(h.program_id, ())]
-            for s in sessions:
-                s.program_start_s = now - h.program_age_s
-                s.priority_class = h.priority_class
-            self.scheduler.mark_priorities_changed()
-            return HintResult(index=i)
-        if isinstance(h, Prefetch):
-            self.kv.set_prefetch(self._session(h.session_id), h.at_s)
-            return HintResult(index=i)
-        if isinstance(h, Expect):
-            self._session(h.session_id).expected_output_tokens = h.output_tokens
-            return HintResult(index=i)
-        if isinstance(h, Release):
-            if h.program_id not in self.kv.programs:
-                raise NotFound(f"unknown program {h.program_id!r} on node {self.node_id}")
-            self.kv.release_program(h.program_id)
-            return HintResult(index=i)
-        raise InvalidArgument(f"unsupported hint {type(h).__name__}")
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> StepOutput | None:
@@ -379,84 +284,12 @@ class EngineCore:
                 version=self.version,
             )
 
-    # ---- moving contexts between nodes ---------------------------------------------------------
-    def _flush_copies(self) -> None:
-        ops = self.kv.take_copies()
-        if ops:
-            self.executor.execute(ScheduledBatch(copies=ops))
-
+    # ---- moving contexts between nodes (_context_transfer) -------------------------------------
     def export_context(self, session_id: str, release_after: bool = False) -> ContextData:
-        with self.lock:
-            s = self._session(session_id)
-            if s.state is not SessionState.PARKED:
-                raise FailedPrecondition(f"session {session_id!r} is {s.state.value}; export it between turns")
-            self._flush_copies()
-            ex = self.executor
-            bs = self.block_size
-            n_tokens = s.num_device_tokens + s.num_host_tokens
-            dev_ids = s.block_ids[: -(-s.num_device_tokens // bs)]
-            host_ids = s.host_block_ids[: -(-n_tokens // bs) - len(dev_ids)]
-            data = b""
-            if dev_ids:
-                data += ex.read_blocks("device", dev_ids)
-            if host_ids:
-                data += ex.read_blocks("host", host_ids)
-            blob = ContextData(
-                session_id=s.session_id,
-                program_id=s.program_id,
-                token_ids=s.token_ids[:n_tokens],
-                block_size=self.block_size,
-                model_fingerprint=ex.fingerprint(),
-                dtype=ex.layout.dtype,
-                shape=tuple(ex.kv_shape(len(dev_ids) + len(host_ids))),
-                kv_data=data,
-            )
-            if release_after:
-                self.kv.free_session(s)
-                self._changed()
-            return blob
+        return export_context(self, session_id, release_after)
 
     def import_context(self, blob: ContextData) -> tuple[int, int]:
-        ex = self.executor
-        if blob.model_fingerprint != ex.fingerprint():
-            raise FailedPrecondition(
-                f"context was computed by model {blob.model_fingerprint!r}; this node runs {ex.fingerprint()!r}"
-            )
-        if blob.block_size != self.block_size or blob.dtype != ex.layout.dtype:
-            raise FailedPrecondition(
-                f"KV layout differs: block_size {blob.block_size}/{blob.dtype} vs {self.block_size}/{ex.layout.dtype}"
-            )
-        if not blob.session_id:
-            raise InvalidArgument("session_id must not be empty")
-        n_blocks = math.ceil(len(blob.token_ids) / self.block_size)
-        expected = n_blocks * ex.layout.block_nbytes
-        if len(blob.kv_data) != expected or tuple(blob.shape) != tuple(ex.kv_shape(n_blocks)):
-            raise InvalidArgument(
-                f"kv_data holds {len(blob.kv_data)} bytes with shape {tuple(blob.shape)}; {len(blob.token_ids)} "
-                f"tokens need {expected} bytes with shape {tuple(ex.kv_shape(n_blocks))}"
-            )
-        if any(not 0 <= t < ex.vocab_size for t in blob.token_ids):
-            raise InvalidArgument("token_ids outside the vocabulary")
-        with self.lock:
-            s = self.kv.get_or_create(blob.session_id, blob.program_id)
-            if s.state is not SessionState.PARKED:
-                raise FailedPrecondition(f"session {blob.session_id!r} is {s.state.value} here")
-            self.kv._drop_device(s, len(s.block_ids))
-            s.state = SessionState.RUNNING  # keeps it out of the eviction heaps while blocks are allocated
-            blocks = self.kv.allocate_device(n_blocks, exclude=s) if n_blocks else []
-            if blocks is None:
-                self.kv.park(s)
-                raise ResourceExhausted(f"no room for {n_blocks} blocks on node {self.node_id}")
-            self._flush_copies()  # offloads chosen just now must read their blocks before we overwrite
-            if blocks:
-                ex.write_blocks("device", blocks, blob.kv_data)
-            s.token_ids = list(blob.token_ids)
-            s.block_ids = blocks
-            s.block_hashes = []
-            self.kv._rehash(s)
-            self.kv.park(s)
-            self._changed()
-            return len(blob.token_ids), n_blocks
+        return import_context(self, blob)
 
     def check_invariants(self) -> None:
         with self.lock:

@@ -1,0 +1,117 @@
+"""Moving a parked session's KV context between nodes: ``ContextData`` out of one, into another.
+
+Export flushes pending tier copies first and reads the context's blocks (device, then host) as bytes;
+import checks the model and layout, takes device blocks (evicting others if it must) and writes them.
+Both run under the engine's lock.  Why apart from ``_engine``: the stepping loop and hints never
+touch this path; ``EngineCore.export_context``/``import_context`` call in here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._engine_errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from ._executor import ScheduledBatch
+from ._session import SessionState
+
+if TYPE_CHECKING:
+    from ._engine import EngineCore
+
+__all__ = ["ContextData", "export_context", "import_context"]
+
+
+@dataclass
+class ContextData:
+    """A session's KV context as bytes, to move between nodes (the wire form is ``ContextBlob``)."""
+
+    session_id: str
+    program_id: str
+    token_ids: list[int]
+    block_size: int
+    model_fingerprint: str
+    dtype: str
+    shape: tuple[int, ...]
+    kv_data: bytes
+
+
+def export_context(core: EngineCore, session_id: str, release_after: bool = False) -> ContextData:
+    with core.lock:
+        s = core._session(session_id)
+        if s.state is not SessionState.PARKED:
+            raise FailedPrecondition(f"session {session_id!r} is {s.state.value}; export it between turns")
+        _flush_copies(core)
+        ex = core.executor
+        bs = core.block_size
+        n_tokens = s.num_device_tokens + s.num_host_tokens
+        dev_ids = s.block_ids[: -(-s.num_device_tokens // bs)]
+        host_ids = s.host_block_ids[: -(-n_tokens // bs) - len(dev_ids)]
+        data = b""
+        if dev_ids:
+            data += ex.read_blocks("device", dev_ids)
+        if host_ids:
+            data += ex.read_blocks("host", host_ids)
+        blob = ContextData(
+            session_id=s.session_id,
+            program_id=s.program_id,
+            token_ids=s.token_ids[:n_tokens],
+            block_size=core.block_size,
+            model_fingerprint=ex.fingerprint(),
+            dtype=ex.layout.dtype,
+            shape=tuple(ex.kv_shape(len(dev_ids) + len(host_ids))),
+            kv_data=data,
+        )
+        if release_after:
+            core.kv.free_session(s)
+            core._changed()
+        return blob
+
+
+def import_context(core: EngineCore, blob: ContextData) -> tuple[int, int]:
+    ex = core.executor
+    if blob.model_fingerprint != ex.fingerprint():
+        raise FailedPrecondition(
+            f"context was computed by model {blob.model_fingerprint!r}; this node runs {ex.fingerprint()!r}"
+        )
+    if blob.block_size != core.block_size or blob.dtype != ex.layout.dtype:
+        raise FailedPrecondition(
+            f"KV layout differs: block_size {blob.block_size}/{blob.dtype} vs {core.block_size}/{ex.layout.dtype}"
+        )
+    if not blob.session_id:
+        raise InvalidArgument("session_id must not be empty")
+    n_blocks = math.ceil(len(blob.token_ids) / core.block_size)
+    expected = n_blocks * ex.layout.block_nbytes
+    if len(blob.kv_data) != expected or tuple(blob.shape) != tuple(ex.kv_shape(n_blocks)):
+        raise InvalidArgument(
+            f"kv_data holds {len(blob.kv_data)} bytes with shape {tuple(blob.shape)}; {len(blob.token_ids)} "
+            f"tokens need {expected} bytes with shape {tuple(ex.kv_shape(n_blocks))}"
+        )
+    if any(not 0 <= t < ex.vocab_size for t in blob.token_ids):
+        raise InvalidArgument("token_ids outside the vocabulary")
+    with core.lock:
+        s = core.kv.get_or_create(blob.session_id, blob.program_id)
+        if s.state is not SessionState.PARKED:
+            raise FailedPrecondition(f"session {blob.session_id!r} is {s.state.value} here")
+        core.kv._drop_device(s, len(s.block_ids))
+        s.state = SessionState.RUNNING  # keeps it out of the eviction heaps while blocks are allocated
+        blocks = core.kv.allocate_device(n_blocks, exclude=s) if n_blocks else []
+        if blocks is None:
+            core.kv.park(s)
+            raise ResourceExhausted(f"no room for {n_blocks} blocks on node {core.node_id}")
+        _flush_copies(core)  # offloads chosen just now must read their blocks before we overwrite
+        if blocks:
+            ex.write_blocks("device", blocks, blob.kv_data)
+        s.token_ids = list(blob.token_ids)
+        s.block_ids = blocks
+        s.block_hashes = []
+        core.kv._rehash(s)
+        core.kv.park(s)
+        core._changed()
+        return len(blob.token_ids), n_blocks
+
+
+def _flush_copies(core: EngineCore) -> None:
+    ops = core.kv.take_copies()
+    if ops:
+        core.executor.execute(ScheduledBatch(copies=ops))
