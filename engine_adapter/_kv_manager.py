@@ -168,7 +168,7 @@ class KVCacheManager(HostTier):
         self._maybe_waiting.pop(s, None)
         members = self.programs.get(s.program_id)
         if members is not None:
-            members.discard(s.session_id)
+            members.pop(s.session_id, None)
             if not members:
                 del self.programs[s.program_id]
 

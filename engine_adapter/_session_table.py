@@ -72,7 +72,9 @@ class SessionTable:
         # False reproduces vLLM: a finished request's blocks go straight to the free queue (LRU).
         self.retain_contexts = retain_contexts
         self.sessions: dict[str, Session] = {}
-        self.programs: dict[str, set[str]] = {}
+        # program -> its sessions in creation order (a dict, not a set: releasing a program frees them in
+        # an order that must not depend on string hashing, or replays differ between runs)
+        self.programs: dict[str, dict[str, None]] = {}
         self.pending_copies: list[CopyOp] = []
         self.stats = KVStats()
         self._pin_count = [0] * num_device_blocks
@@ -98,7 +100,7 @@ class SessionTable:
             s._bs = self.block_size
             self.sessions[session_id] = s
             self._creation_seq[s] = next(self._session_seq)
-            self.programs.setdefault(s.program_id, set()).add(session_id)
+            self.programs.setdefault(s.program_id, {})[session_id] = None
         return s
 
     def _refresh(self, s: Session) -> None:
