@@ -29,7 +29,7 @@ ADMIT_HORIZON_S = 5.0
 
 
 class QueueRules:
-    """Mixed into ``HintflowScheduler`` (which provides the attributes used here: ``book``, ``waiting``,
+    """Mixed into ``HintSchedulerMixin`` (which provides the attributes used here: ``book``, ``waiting``,
     ``running``, ``requests``, ``block_size``, ``kv_cache_manager``, ``policy``, the ``admit_*`` and
     ``ttft_deadline_s`` settings, ``_req_session``, ``_started``, ``_overdue``, ``_admit``)."""
 

@@ -27,7 +27,7 @@ from hints import CacheState, cache_state_to_proto
 from hints._models import SessionResidency
 
 if TYPE_CHECKING:
-    from ._scheduler import HintflowScheduler
+    from ._hint_scheduler import HintSchedulerMixin
 
 __all__ = [
     "CacheStateSource",
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-def cache_state(sched: HintflowScheduler, include_sessions: bool, version: int = 0) -> CacheState:
+def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int = 0) -> CacheState:
     """The node's state in the protocol's terms, read under the scheduler lock."""
     with sched.hint_lock:
         sched.book.expire()
@@ -85,7 +85,7 @@ class CacheStateSource(Protocol):
 class SchedulerStateVersion:
     """A version for a vLLM node's cache state: bumps when a cheap signature of the node changes."""
 
-    def __init__(self, sched: HintflowScheduler) -> None:
+    def __init__(self, sched: HintSchedulerMixin) -> None:
         self.sched = sched
         self._lock = threading.Lock()
         self._signature: tuple[int, ...] | None = None

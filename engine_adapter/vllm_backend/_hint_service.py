@@ -48,7 +48,7 @@ from ._cache_state import SchedulerStateVersion, serve_watch
 from ._metrics import HintStats, MetricsServer, start_metrics_server
 
 if TYPE_CHECKING:
-    from ._scheduler import HintflowScheduler
+    from ._hint_scheduler import HintSchedulerMixin
 
 __all__ = [
     "MAX_WORKERS",
@@ -76,7 +76,7 @@ class _Invalid(_Error):
     code = "INVALID_ARGUMENT"
 
 
-def apply_hints(sched: HintflowScheduler, hints: Sequence[HintModel | HintDecodeError]) -> list[HintResult]:
+def apply_hints(sched: HintSchedulerMixin, hints: Sequence[HintModel | HintDecodeError]) -> list[HintResult]:
     """Apply a batch in order under the scheduler lock; one result per hint."""
     results = []
     with sched.hint_lock:
@@ -99,14 +99,14 @@ def _sessions_named(h: HintModel | HintDecodeError) -> list[str]:
     return [sid] if isinstance(sid, str) and sid else []
 
 
-def _session(sched: HintflowScheduler, session_id: str) -> Any:
+def _session(sched: HintSchedulerMixin, session_id: str) -> Any:
     s = sched.book.sessions.get(session_id)
     if s is None:
         raise _NotFound(f"unknown session {session_id!r} on node {sched.node_id}")
     return s
 
 
-def _apply(sched: HintflowScheduler, i: int, h: HintModel | HintDecodeError) -> HintResult:
+def _apply(sched: HintSchedulerMixin, i: int, h: HintModel | HintDecodeError) -> HintResult:
     book = sched.book
     if isinstance(h, HintDecodeError):
         raise _Invalid(str(h))
@@ -172,7 +172,7 @@ def _apply(sched: HintflowScheduler, i: int, h: HintModel | HintDecodeError) -> 
 class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
     def __init__(
         self,
-        sched: HintflowScheduler,
+        sched: HintSchedulerMixin,
         *,
         watch_interval_s: float = 1.0,
         watch_min_period_s: float = 0.05,
@@ -234,7 +234,7 @@ class HintServer:
 
 
 def start_hint_server(
-    sched: HintflowScheduler, port: int, host: str = "127.0.0.1", metrics_port: int | None = None
+    sched: HintSchedulerMixin, port: int, host: str = "127.0.0.1", metrics_port: int | None = None
 ) -> HintServer:
     """Serve the hint service on ``host:port`` (0: a free port) from a thread pool.
 

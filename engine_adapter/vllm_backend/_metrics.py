@@ -38,7 +38,7 @@ from hints import HintDecodeError, HintModel, HintResult
 from ._accounting import Histogram, RequestAccounting
 
 if TYPE_CHECKING:
-    from ._scheduler import HintflowScheduler
+    from ._hint_scheduler import HintSchedulerMixin
 
 __all__ = ["HINT_LATENCY_BUCKETS", "HintStats", "MetricsServer", "SchedulerCollector", "start_metrics_server"]
 
@@ -94,12 +94,12 @@ _COUNTERS = (
 
 
 class SchedulerCollector(Collector):
-    """Reads ``HintflowScheduler`` state under its ``hint_lock`` when Prometheus scrapes.
+    """Reads the scheduler's state (``HintSchedulerMixin``) under its ``hint_lock`` when Prometheus scrapes.
 
     ``hint_stats`` is called at scrape time (the hint service may start after this collector).
     """
 
-    def __init__(self, sched: HintflowScheduler, hint_stats: Callable[[], HintStats | None]) -> None:
+    def __init__(self, sched: HintSchedulerMixin, hint_stats: Callable[[], HintStats | None]) -> None:
         self.sched = sched
         self.hint_stats = hint_stats
 
@@ -233,7 +233,7 @@ class MetricsServer:
 
 
 def start_metrics_server(
-    sched: HintflowScheduler, port: int, host: str = "127.0.0.1", hint_stats: HintStats | None = None
+    sched: HintSchedulerMixin, port: int, host: str = "127.0.0.1", hint_stats: HintStats | None = None
 ) -> MetricsServer:
     """Serve ``/metrics`` for ``sched`` on ``host:port`` (0: a free port) from a daemon thread.
 

@@ -1,290 +1,69 @@
-"""``HintflowScheduler``: vLLM's own scheduler, plus hintflow's pins, Release and program-level priority.
+"""The scheduler classes vLLM loads with ``--scheduler-cls``: hintflow's rules over each of vLLM's schedulers.
 
-Loaded by vLLM in its engine-core process with
-``--scheduler-cls engine_adapter.vllm_backend._scheduler.HintflowScheduler``. It only subclasses
-``vllm.v1.core.sched.scheduler.Scheduler`` and calls the block pool's public methods; every scheduling
-decision stays vLLM's. What it adds, and where:
+The rules live once, in ``_hint_scheduler.HintSchedulerMixin``; here they go in front of vLLM's two
+scheduler classes:
 
-- ``add_request``: the request joins its session (vLLM's ``Request.session_id``, set from the OpenAI
-  request's ``session_id`` field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) and program
-  (``vllm_xargs.program_id``, which vLLM hands through as ``sampling_params.extra_args``); under
-  ``--scheduling-policy priority`` its ``priority`` becomes ``class * 10**12 + program start in ms``, so
-  the older program goes first (Continuum's program-level FCFS) and the client's own priority, or a
-  ``Priority`` hint's class, still dominates.
-- ``_free_request_blocks`` (the step where vLLM returns a finished request's blocks): the session's book
-  takes the blocks, holds the pinned prefix and frees the rest in vLLM's order.
-- ``schedule``: expire leases first; afterwards mark the session's admitted turn (consuming its pin), and
-  if the step scheduled nothing while work waits and pins hold blocks, unpin the latest program
-  (deadlock rule; the next step can then admit).
+- ``HintflowScheduler`` over ``vllm.v1.core.sched.scheduler.Scheduler`` (synchronous scheduling: each
+  step's output comes back before the next step is scheduled; vLLM's CPU build always runs so);
+- ``HintflowAsyncScheduler`` over ``vllm.v1.core.sched.async_scheduler.AsyncScheduler`` (async scheduling,
+  vLLM 0.32's default on CUDA: step N+1 is scheduled while step N runs).
+- ``HintflowAutoScheduler`` builds whichever of the two matches the engine's final config.
 
-- inferred hints (``_infer.HintInference``, ``HINTFLOW_INFER_HINTS``, default on): requests that carry
-  only ``vllm_xargs.program_id`` (``tool``, ``is_last_turn``) get Continuum-style pins and releases from
-  measured pauses; a request without ``session_id`` uses its ``program_id`` as the session.
-- work conservation: before each step, pins of programs younger than the head of the queue are dropped
-  (youngest first) until that head fits, so a pin never keeps an older program's turn out of the pool.
-- program admission (``_handle_blocked_waiting_request``, vLLM's per-request "may this waiting request
-  be scheduled in this step" check): the first turn of a program the engine has not yet run is admitted
-  only while the contexts of the programs already in flight, plus its prompt, fit in the pool; it is
-  admitted anyway when the engine would otherwise idle (nothing running, nothing else admissible) or once
-  it has waited ``HINTFLOW_ADMIT_MAX_WAIT_S``. Held-back requests stay in vLLM's waiting queue and the
-  requests behind them are scheduled as usual (vLLM's own skip path).
-- bounded program FCFS: an older program's turn gets at most ``HINTFLOW_PRIORITY_AGING_S`` of head start
-  over a newer arrival, so first turns age instead of starving.
-- per-request accounting (``_accounting.RequestAccounting``, exported by ``_metrics``): each request's
-  prompt is split into cache hits, across-turn history, recomputed and within-turn tokens when ``schedule``
-  first schedules it; its first token is noted after ``update_from_output``; ``_free_request_blocks``
-  keeps the tokens it computed as its session's history for the next turn.
-
-All of it runs under ``self.hint_lock``, which the hint service (another thread) takes too. Every vLLM
-internal used here (and in the modules it drives) is listed in ``_compat.REQUIRED`` and checked when the
-scheduler is constructed: a vLLM that lacks one fails at start-up, naming it.
+Why two classes and a chooser: vLLM 0.32 picks ``AsyncScheduler`` itself only without ``--scheduler-cls``
+(``SchedulerConfig.get_scheduler_cls``); a given class is used as it is, whatever ``async_scheduling``
+says, and vLLM only warns that a ``Scheduler`` subclass "will see degraded performance". A subclass of the
+plain ``Scheduler`` under async scheduling cannot schedule a request's next token before the previous
+step's output is back, so async scheduling is silently lost. ``AsyncScheduler`` overrides only
+``__init__``, ``_update_after_schedule`` (output placeholders for the tokens in flight) and
+``_update_request_with_output`` (consumes them; caches blocks up to the tokens whose KV is computed);
+none of them is a method the mixin overrides, and the mixin goes first in the MRO, so each of its
+``super()`` calls reaches ``AsyncScheduler``'s code where it has any and ``Scheduler``'s otherwise.
+``_serve`` picks the class from the command line; ``_compat`` checks what these classes rely on.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
-import threading
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
-from vllm.v1.core.sched.request_queue import SchedulingPolicy  # type: ignore[import-not-found]
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 
-from ._accounting import RequestAccounting
-from ._admission import ADMIT_HORIZON_S, PRIORITY_SCALE, QueueRules
-from ._compat import check_vllm_internals
-from ._infer import HintInference, infer_enabled
-from ._sessions import SessionBook, VSession
+from ._hint_scheduler import AGING_S, PIN_BUDGET, PRIORITY_SCALE, HintSchedulerMixin
 
-if TYPE_CHECKING:
-    from ._hint_service import HintServer
+__all__ = [
+    "AGING_S",
+    "PIN_BUDGET",
+    "PRIORITY_SCALE",
+    "HintflowAsyncScheduler",
+    "HintflowAutoScheduler",
+    "HintflowScheduler",
+]
 
-__all__ = ["PRIORITY_SCALE", "HintflowScheduler"]
 
-log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
+class HintflowScheduler(HintSchedulerMixin, Scheduler):  # type: ignore[misc]
+    """hintflow's rules on vLLM's synchronous ``Scheduler`` (``--no-async-scheduling``, and every CPU run)."""
 
-AGING_S = 3.0
-"""Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
-first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
-for 35 s at p99 under overload (README); a few seconds keeps most of FCFS's benefit for returning turns."""
-PIN_BUDGET = 0.7
-"""Default share of the pool pins may hold. 0.5 held ~4 of ~30 live contexts under overload; with the
-admission guard limiting how many programs are in flight, and the yield and deadlock rules returning
-pinned blocks whenever an older turn or any progress needs them, more of the pool can bridge pauses."""
-class HintflowScheduler(QueueRules, Scheduler):  # type: ignore[misc]
-    """See the module docstring. Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET, HINTFLOW_NODE_ID,
-    HINTFLOW_INFER_HINTS (1), HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference),
-    HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_SILENT_S (30),
-    HINTFLOW_PRIORITY_AGING_S (see AGING_S: the most head start an older program's turn gets; inf: strict
-    program FCFS), HINTFLOW_ADMIT_GUARD (1), HINTFLOW_ADMIT_FRACTION (1.0: share of the pool the in-flight
-    contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (the aging, else 3 s),
-    HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
-    HINTFLOW_YIELD_PINS (1: pins of younger programs yield to the queue's head), HINTFLOW_TTFT_DEADLINE_S
-    (inf: a request waiting this long goes first)."""
+    hintflow_async: ClassVar[bool] = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Before vLLM builds anything: a vLLM without the internals this class relies on fails here, naming
-        # them, instead of with an AttributeError mid-step or a hook that is silently never called (_compat).
-        check_vllm_internals()
-        super().__init__(*args, **kwargs)
-        self.hint_lock = threading.RLock()
-        pool = self.kv_cache_manager.block_pool
-        self.pins_supported = len(self.kv_cache_config.kv_cache_groups) == 1 and pool.enable_caching
-        budget = float(os.environ.get("HINTFLOW_PIN_BUDGET", str(PIN_BUDGET)))
-        self.book = SessionBook(pool, pool.num_gpu_blocks - 1, pin_budget_fraction=budget)  # -1: null block
-        self._req_session: dict[str, VSession] = {}
-        self.accounting = RequestAccounting()  # per-request hintflow_* series (_accounting, _metrics)
-        self._client_priority: dict[str, int] = {}
-        self.node_id = os.environ.get("HINTFLOW_NODE_ID", "vllm")
-        self.model_name = str(self.vllm_config.model_config.served_model_name)
-        self._epoch_s = self.book.clock()
-        self._wall_epoch_s = time.time()  # requests' arrival_time is wall time
-        self.infer: HintInference | None = None
-        if infer_enabled():
-            env = os.environ.get
-            reload = env("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
-            self.infer = HintInference(
-                self.book,
-                backlog_tokens=self.prefill_backlog_tokens,
-                defer_s=float(env("HINTFLOW_INFER_DEFER_S", "60")),
-                reload_s_per_token=float(reload) if reload else None,
-                silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
-            )
-        self._step: tuple[float, int] | None = None
-        self._next_log_s = 0.0
-        # Program FCFS gives an older program's turn at most this head start over a newer arrival, so
-        # new programs' first turns cannot starve under overload (inf: strict program FCFS).
-        self.aging_s = float(os.environ.get("HINTFLOW_PRIORITY_AGING_S", str(AGING_S)))
-        env_ = os.environ.get
-        self.admit_guard = env_("HINTFLOW_ADMIT_GUARD", "1").strip().lower() not in {"0", "false", "no", "off"}
-        self.admit_fraction = float(env_("HINTFLOW_ADMIT_FRACTION", "1.0"))
-        default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
-        self.admit_max_wait_s = float(env_("HINTFLOW_ADMIT_MAX_WAIT_S", str(default_wait)))
-        self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
-        self.yield_pins = env_("HINTFLOW_YIELD_PINS", "1").strip().lower() not in {"0", "false", "no", "off"}
-        self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
-        self._overdue: set[str] = set()  # waiting requests already moved to the front (deadline passed)
-        self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)
-        self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle] for the current step
-        self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
-        self.hint_server: HintServer | None = None
-        port = os.environ.get("HINTFLOW_HINT_PORT")
-        if port:
-            from ._hint_service import start_hint_server
 
-            self.hint_server = start_hint_server(self, int(port), os.environ.get("HINTFLOW_HINT_HOST", "127.0.0.1"))
-            log.info("hintflow hint service on port %d", self.hint_server.port)
-        self.metrics_server: Any = None  # /metrics without a hint service (with one, it serves them)
-        metrics_port = int(os.environ.get("HINTFLOW_METRICS_PORT", "-1") or "-1")
-        if self.hint_server is None and metrics_port >= 0:
-            from ._metrics import start_metrics_server
+class HintflowAsyncScheduler(HintSchedulerMixin, AsyncScheduler):  # type: ignore[misc]
+    """hintflow's rules on vLLM's ``AsyncScheduler`` (``--async-scheduling``, vLLM's default on CUDA)."""
 
-            mhost = os.environ.get("HINTFLOW_METRICS_HOST", "127.0.0.1")
-            self.metrics_server = start_metrics_server(self, metrics_port, mhost)
-            log.info("hintflow metrics on http://%s:%d/metrics", mhost, self.metrics_server.port)
-        if not self.pins_supported:
-            log.warning("hintflow: pins need prefix caching and one KV cache group; hints are only recorded")
+    hintflow_async: ClassVar[bool] = True
 
-    # ---- requests in -------------------------------------------------------------------------
-    def add_request(self, request: Any) -> None:
-        with self.hint_lock:
-            extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
-            program = str(extra.get("program_id") or "")
-            sid = getattr(request, "session_id", None) or program
-            if sid and request.request_id not in self.requests:
-                s = self.book.session(str(sid), program)
-                self.book.on_request_added(s, request.request_id)
-                if self.infer is not None:
-                    self.infer.on_request(s, extra)
-                self._req_session[request.request_id] = s
-                self._client_priority[request.request_id] = request.priority
-                request.priority = self.priority_for(s, request.priority)
-            super().add_request(request)
 
-    def priority_for(self, s: VSession, client_priority: int) -> int:
-        """vLLM priority (lower first): hinted class, else the client's; then the program's start."""
-        if self.policy != SchedulingPolicy.PRIORITY:
-            return client_priority
-        major = s.priority_class if s.priority_class is not None else client_priority
-        start = s.program_start_s if s.program_start_s is not None else s.first_seen_s
-        start = max(start, self.book.clock() - self.aging_s)  # bounded head start: no starvation
-        ms = max(0, int((start - self._epoch_s + 86400.0) * 1000))  # + a day: hinted ages reach back
-        return major * PRIORITY_SCALE + min(ms, PRIORITY_SCALE - 1)
+class HintflowAutoScheduler:
+    """``--scheduler-cls`` for when the command line does not say: an instance of ``HintflowAsyncScheduler``
+    if vLLM's final config schedules asynchronously, else of ``HintflowScheduler``.
 
-    def reprioritize(self, s: VSession) -> int:
-        """Re-key the session's queued requests after a Priority hint (the queue is a heap)."""
-        if self.policy != SchedulingPolicy.PRIORITY:
-            return 0
-        moved = 0
-        for queue in (self.waiting, self.kv_holding_waiting):
-            reqs = [r for r in queue if r.request_id in s.live]
-            if reqs:
-                queue.remove_requests(reqs)
-                for r in reqs:
-                    r.priority = self.priority_for(s, self._client_priority.get(r.request_id, 0))
-                    queue.add_request(r)
-                moved += len(reqs)
-        return moved
+    Why decide in the engine core: vLLM settles ``async_scheduling`` while it builds its config (on by
+    default, off for pooling models, some speculative decoding methods, executors without support and
+    pipeline parallelism on the V1 model runner, and always off on CPU, whose platform hook has the last
+    word) and builds the scheduler from that config, so only there is the answer certain. Python skips
+    this class's ``__init__`` because ``__new__`` returns an instance of another class, fully built.
+    """
 
-    # ---- the step --------------------------------------------------------------------------------
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        with self.hint_lock:
-            self.book.expire()
-            if self.infer is not None:
-                self.infer.sweep()
-            self._promote_overdue()
-            if self.yield_pins:
-                self._yield_pins_to_older()
-            self._admit = self._admission_state() if self.admit_guard and self.waiting else None
-            try:
-                out = super().schedule(*args, **kwargs)
-            finally:
-                self._admit = None
-            for new in out.scheduled_new_reqs:
-                s = self._req_session.get(new.req_id)
-                req = self.requests.get(new.req_id)
-                if req is not None:  # hits: the prefix lookup, before this step's tokens are added
-                    self.accounting.on_scheduled(req, new.num_computed_tokens, s)
-                if s is not None:
-                    self._started.add(s.program_id)
-                    kept = bool(s.held)
-                    self.book.on_admitted(s, new.req_id)
-                    if self.infer is not None and req is not None:
-                        self.infer.on_admitted(s, time.time() - req.arrival_time, kept)
-            self._step = (self.book.clock(), out.total_num_scheduled_tokens)
-            self._log_stats()
-            starved = out.total_num_scheduled_tokens == 0 and (len(self.waiting) or len(self.running))
-            if starved and self.book.num_pinned_blocks and self.book.force_unpin_latest():
-                log.info("hintflow: pins blocked all progress; unpinned the latest program")
-            return out
-
-    def _log_stats(self) -> None:
-        """Every 10 s: what the pins did (for benchmarks and operators; vLLM's log has the rest)."""
-        now = self.book.clock()
-        if now < self._next_log_s:
-            return
-        self._next_log_s = now + 10.0
-        st, inf = self.book.stats, self.infer
-        extra = ""
-        if inf is not None:
-            extra = (
-                f" inferred_pins={inf.inferred_pins} inferred_releases={inf.inferred_releases}"
-                f" T={inf.rule.queue_delay_s:.2f}s eta={inf.rule.eta:.2f} reload={inf.s_per_token * 1e6:.0f}us/tok"
-            )
-        a = self.admit_stats
-        log.info(
-            "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d%s"
-            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d",
-            self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
-            st.forced_unpins, st.yielded_pins, extra, len(self._started), a["held"], a["fit"], a["idle"], a["aged"],
-        )  # fmt: skip
-
-    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        if self._step is not None and self.infer is not None:
-            started, tokens = self._step
-            self.infer.observe_step(tokens, self.book.clock() - started)
-        self._step = None
-        with self.hint_lock:
-            out = super().update_from_output(*args, **kwargs)
-            self.accounting.after_step()
-            return out
-
-    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
-        with self.hint_lock:
-            return super().finish_requests(*args, **kwargs)
-
-    def _free_request_blocks(self, request: Any) -> None:
-        s = self._req_session.pop(request.request_id, None)
-        self._client_priority.pop(request.request_id, None)
-        self._overdue.discard(request.request_id)
-        self.accounting.on_finished(request, s)
-        if s is None or not self.pins_supported or not self._request_blocks_can_be_freed(request):
-            if s is not None:
-                self.book.on_request_finished(s, request.request_id, [])
-            super()._free_request_blocks(request)
-            return
-        if self.infer is not None:
-            self.infer.on_turn_end(s, request.num_tokens)
-        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
-        self.book.on_request_finished(s, request.request_id, blocks)
-        if self.infer is not None:
-            self.infer.after_turn_end(s)
-
-    def shutdown(self) -> None:
-        if self.hint_server is not None:
-            self.hint_server.stop()
-            self.hint_server = None
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
-            self.metrics_server = None
-        super().shutdown()
-
-    # ---- for the hint service and tests -------------------------------------------------------------
-    def prefill_backlog_tokens(self) -> int:
-        """Prompt tokens still to compute, waiting and running (the router's queueing signal)."""
-        total = 0
-        for r in [*self.waiting, *self.running]:
-            total += max(0, r.num_prompt_tokens - r.num_computed_tokens)
-        return total
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]  # vLLM passes keywords
+        chosen = HintflowAsyncScheduler if config.scheduler_config.async_scheduling else HintflowScheduler
+        return chosen(*args, **kwargs)

@@ -1,0 +1,307 @@
+"""hintflow's rules on vLLM's scheduler, as a mixin: pins, Release, program-level priority, admission.
+
+``_scheduler`` applies it to both of vLLM's schedulers (``HintflowScheduler`` over ``Scheduler``,
+``HintflowAsyncScheduler`` over ``AsyncScheduler``), so the rules exist once. It only overrides
+scheduler methods and calls the block pool's public methods; every scheduling decision stays vLLM's.
+What it adds, and where:
+
+- ``add_request``: the request joins its session (vLLM's ``Request.session_id``, set from the OpenAI
+  request's ``session_id`` field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) and program
+  (``vllm_xargs.program_id``, which vLLM hands through as ``sampling_params.extra_args``); under
+  ``--scheduling-policy priority`` its ``priority`` becomes ``class * 10**12 + program start in ms``, so
+  the older program goes first (Continuum's program-level FCFS) and the client's own priority, or a
+  ``Priority`` hint's class, still dominates.
+- ``_free_request_blocks`` (the step where vLLM returns a finished request's blocks): the session's book
+  takes the blocks, holds the pinned prefix and frees the rest in vLLM's order.
+- ``schedule``: expire leases first; afterwards mark the session's admitted turn (consuming its pin), and
+  if the step scheduled nothing while work waits, pins hold blocks and no earlier step is still
+  computing (``_async_mode``: async scheduling keeps steps out), unpin the latest program (deadlock rule;
+  the next step can then admit).
+- inferred hints (``_infer.HintInference``, ``HINTFLOW_INFER_HINTS``, default on): requests that carry
+  only ``vllm_xargs.program_id`` (``tool``, ``is_last_turn``) get Continuum-style pins and releases from
+  measured pauses; a request without ``session_id`` uses its ``program_id`` as the session.
+- work conservation: before each step, pins of programs younger than the head of the queue are dropped
+  (youngest first) until that head fits, so a pin never keeps an older program's turn out of the pool.
+- program admission (``_handle_blocked_waiting_request``, vLLM's per-request "may this waiting request
+  be scheduled in this step" check): the first turn of a program the engine has not yet run is admitted
+  only while the contexts of the programs already in flight, plus its prompt, fit in the pool; it is
+  admitted anyway when the engine would otherwise idle (nothing running, nothing else admissible) or once
+  it has waited ``HINTFLOW_ADMIT_MAX_WAIT_S``. Held-back requests stay in vLLM's waiting queue and the
+  requests behind them are scheduled as usual (vLLM's own skip path).
+- bounded program FCFS: an older program's turn gets at most ``HINTFLOW_PRIORITY_AGING_S`` of head start
+  over a newer arrival, so first turns age instead of starving.
+- per-request accounting (``_accounting.RequestAccounting``, exported by ``_metrics``): each request's
+  prompt is split into cache hits, across-turn history, recomputed and within-turn tokens when ``schedule``
+  first schedules it; its first token is noted after ``update_from_output``; ``_free_request_blocks``
+  keeps the tokens it computed as its session's history for the next turn.
+
+All of it runs under ``self.hint_lock``, which the hint service (another thread) takes too. Every vLLM
+internal used here (and in the modules it drives) is listed in ``_compat.REQUIRED`` and checked when the
+scheduler is constructed: a vLLM that lacks one fails at start-up, naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ._accounting import RequestAccounting
+from ._admission import ADMIT_HORIZON_S, PRIORITY_SCALE, QueueRules
+from ._async_mode import StepsInFlight, log_async_mode
+from ._compat import check_vllm_internals
+from ._infer import HintInference, infer_enabled
+from ._sessions import SessionBook, VSession
+
+if TYPE_CHECKING:
+    from ._hint_service import HintServer
+
+    # Checked as what it ends up in, a subclass of vLLM's Scheduler (Any where mypy runs: no vLLM there);
+    # at run time a plain mixin, so this module imports no vLLM.
+    _VllmScheduler = Any
+else:
+    _VllmScheduler = object
+
+__all__ = ["AGING_S", "PIN_BUDGET", "PRIORITY_SCALE", "HintSchedulerMixin"]
+
+log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
+
+AGING_S = 3.0
+"""Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
+first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
+for 35 s at p99 under overload (README); a few seconds keeps most of FCFS's benefit for returning turns."""
+PIN_BUDGET = 0.7
+"""Default share of the pool pins may hold. 0.5 held ~4 of ~30 live contexts under overload; with the
+admission guard limiting how many programs are in flight, and the yield and deadlock rules returning
+pinned blocks whenever an older turn or any progress needs them, more of the pool can bridge pauses."""
+
+
+class HintSchedulerMixin(QueueRules, _VllmScheduler):
+    """Goes before vLLM's scheduler class in the bases (``_scheduler``); see the module docstring.
+
+    Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET, HINTFLOW_NODE_ID, HINTFLOW_INFER_HINTS (1),
+    HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference),
+    HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_SILENT_S (30),
+    HINTFLOW_PRIORITY_AGING_S (see AGING_S: the most head start an older program's turn gets; inf: strict
+    program FCFS), HINTFLOW_ADMIT_GUARD (1), HINTFLOW_ADMIT_FRACTION (1.0: share of the pool the in-flight
+    contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (the aging, else 3 s),
+    HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
+    HINTFLOW_YIELD_PINS (1: pins of younger programs yield to the queue's head), HINTFLOW_TTFT_DEADLINE_S
+    (inf: a request waiting this long goes first)."""
+
+    hintflow_async: ClassVar[bool] = False  # whether the vLLM base is AsyncScheduler (set in _scheduler)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before vLLM builds anything: a vLLM without the internals this class relies on fails here, naming
+        # them, instead of with an AttributeError mid-step or a hook that is silently never called (_compat).
+        check_vllm_internals()
+        super().__init__(*args, **kwargs)
+        engine_async = self.vllm_config.scheduler_config.async_scheduling
+        log_async_mode(type(self).__name__, self.hintflow_async, engine_async)
+        self.hint_lock = threading.RLock()
+        pool = self.kv_cache_manager.block_pool
+        self.pins_supported = len(self.kv_cache_config.kv_cache_groups) == 1 and pool.enable_caching
+        budget = float(os.environ.get("HINTFLOW_PIN_BUDGET", str(PIN_BUDGET)))
+        self.book = SessionBook(pool, pool.num_gpu_blocks - 1, pin_budget_fraction=budget)  # -1: null block
+        self._req_session: dict[str, VSession] = {}
+        self.accounting = RequestAccounting()  # per-request hintflow_* series (_accounting, _metrics)
+        self._client_priority: dict[str, int] = {}
+        self.node_id = os.environ.get("HINTFLOW_NODE_ID", "vllm")
+        self.model_name = str(self.vllm_config.model_config.served_model_name)
+        self._epoch_s = self.book.clock()
+        self._wall_epoch_s = time.time()  # requests' arrival_time is wall time
+        self.infer: HintInference | None = None
+        if infer_enabled():
+            env = os.environ.get
+            reload = env("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
+            self.infer = HintInference(
+                self.book,
+                backlog_tokens=self.prefill_backlog_tokens,
+                defer_s=float(env("HINTFLOW_INFER_DEFER_S", "60")),
+                reload_s_per_token=float(reload) if reload else None,
+                silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
+            )
+        self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
+        self._next_log_s = 0.0
+        # Program FCFS gives an older program's turn at most this head start over a newer arrival, so
+        # new programs' first turns cannot starve under overload (inf: strict program FCFS).
+        self.aging_s = float(os.environ.get("HINTFLOW_PRIORITY_AGING_S", str(AGING_S)))
+        env_ = os.environ.get
+        self.admit_guard = env_("HINTFLOW_ADMIT_GUARD", "1").strip().lower() not in {"0", "false", "no", "off"}
+        self.admit_fraction = float(env_("HINTFLOW_ADMIT_FRACTION", "1.0"))
+        default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
+        self.admit_max_wait_s = float(env_("HINTFLOW_ADMIT_MAX_WAIT_S", str(default_wait)))
+        self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
+        self.yield_pins = env_("HINTFLOW_YIELD_PINS", "1").strip().lower() not in {"0", "false", "no", "off"}
+        self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
+        self._overdue: set[str] = set()  # waiting requests already moved to the front (deadline passed)
+        self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)
+        self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle] for the current step
+        self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
+        self.hint_server: HintServer | None = None
+        port = os.environ.get("HINTFLOW_HINT_PORT")
+        if port:
+            from ._hint_service import start_hint_server
+
+            self.hint_server = start_hint_server(self, int(port), os.environ.get("HINTFLOW_HINT_HOST", "127.0.0.1"))
+            log.info("hintflow hint service on port %d", self.hint_server.port)
+        self.metrics_server: Any = None  # /metrics without a hint service (with one, it serves them)
+        metrics_port = int(os.environ.get("HINTFLOW_METRICS_PORT", "-1") or "-1")
+        if self.hint_server is None and metrics_port >= 0:
+            from ._metrics import start_metrics_server
+
+            mhost = os.environ.get("HINTFLOW_METRICS_HOST", "127.0.0.1")
+            self.metrics_server = start_metrics_server(self, metrics_port, mhost)
+            log.info("hintflow metrics on http://%s:%d/metrics", mhost, self.metrics_server.port)
+        if not self.pins_supported:
+            log.warning("hintflow: pins need prefix caching and one KV cache group; hints are only recorded")
+
+    # ---- requests in -------------------------------------------------------------------------
+    def add_request(self, request: Any) -> None:
+        with self.hint_lock:
+            extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
+            program = str(extra.get("program_id") or "")
+            sid = getattr(request, "session_id", None) or program
+            if sid and request.request_id not in self.requests:
+                s = self.book.session(str(sid), program)
+                self.book.on_request_added(s, request.request_id)
+                if self.infer is not None:
+                    self.infer.on_request(s, extra)
+                self._req_session[request.request_id] = s
+                self._client_priority[request.request_id] = request.priority
+                request.priority = self.priority_for(s, request.priority)
+            super().add_request(request)
+
+    def priority_for(self, s: VSession, client_priority: int) -> int:
+        """vLLM priority (lower first): hinted class, else the client's; then the program's start."""
+        if not self._priority_policy():
+            return client_priority
+        major = s.priority_class if s.priority_class is not None else client_priority
+        start = s.program_start_s if s.program_start_s is not None else s.first_seen_s
+        start = max(start, self.book.clock() - self.aging_s)  # bounded head start: no starvation
+        ms = max(0, int((start - self._epoch_s + 86400.0) * 1000))  # + a day: hinted ages reach back
+        return major * PRIORITY_SCALE + min(ms, PRIORITY_SCALE - 1)
+
+    def _priority_policy(self) -> bool:
+        # by name, as vLLM's SchedulingPolicy.PRIORITY (_compat checks it), so this module imports no vLLM
+        return getattr(self.policy, "name", "") == "PRIORITY"
+
+    def reprioritize(self, s: VSession) -> int:
+        """Re-key the session's queued requests after a Priority hint (the queue is a heap)."""
+        if not self._priority_policy():
+            return 0
+        moved = 0
+        for queue in (self.waiting, self.kv_holding_waiting):
+            reqs = [r for r in queue if r.request_id in s.live]
+            if reqs:
+                queue.remove_requests(reqs)
+                for r in reqs:
+                    r.priority = self.priority_for(s, self._client_priority.get(r.request_id, 0))
+                    queue.add_request(r)
+                moved += len(reqs)
+        return moved
+
+    # ---- the step --------------------------------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        with self.hint_lock:
+            self.book.expire()
+            if self.infer is not None:
+                self.infer.sweep()
+            self._promote_overdue()
+            if self.yield_pins:
+                self._yield_pins_to_older()
+            self._admit = self._admission_state() if self.admit_guard and self.waiting else None
+            try:
+                out = super().schedule(*args, **kwargs)
+            finally:
+                self._admit = None
+            for new in out.scheduled_new_reqs:
+                s = self._req_session.get(new.req_id)
+                req = self.requests.get(new.req_id)
+                if req is not None:  # hits: the prefix lookup, before this step's tokens are added
+                    self.accounting.on_scheduled(req, new.num_computed_tokens, s)
+                if s is not None:
+                    self._started.add(s.program_id)
+                    kept = bool(s.held)
+                    self.book.on_admitted(s, new.req_id)
+                    if self.infer is not None and req is not None:
+                        self.infer.on_admitted(s, time.time() - req.arrival_time, kept)
+            # An earlier step still computing is progress (async scheduling): its output may free blocks.
+            computing = self.steps.computing
+            self.steps.scheduled(out, out.total_num_scheduled_tokens, self.book.clock())
+            self._log_stats()
+            starved = out.total_num_scheduled_tokens == 0 and (len(self.waiting) or len(self.running))
+            if starved and not computing and self.book.num_pinned_blocks and self.book.force_unpin_latest():
+                log.info("hintflow: pins blocked all progress; unpinned the latest program")
+            return out
+
+    def _log_stats(self) -> None:
+        """Every 10 s: what the pins did (for benchmarks and operators; vLLM's log has the rest)."""
+        now = self.book.clock()
+        if now < self._next_log_s:
+            return
+        self._next_log_s = now + 10.0
+        st, inf = self.book.stats, self.infer
+        extra = ""
+        if inf is not None:
+            extra = (
+                f" inferred_pins={inf.inferred_pins} inferred_releases={inf.inferred_releases}"
+                f" T={inf.rule.queue_delay_s:.2f}s eta={inf.rule.eta:.2f} reload={inf.s_per_token * 1e6:.0f}us/tok"
+            )
+        a = self.admit_stats
+        log.info(
+            "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d%s"
+            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d",
+            self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
+            st.forced_unpins, st.yielded_pins, extra, len(self._started), a["held"], a["fit"], a["idle"], a["aged"],
+        )  # fmt: skip
+
+    def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.hint_lock:
+            step = self.steps.returned(scheduler_output, self.book.clock())
+            if step is not None and self.infer is not None:
+                self.infer.observe_step(*step)
+            out = super().update_from_output(scheduler_output, *args, **kwargs)
+            self.accounting.after_step()
+            return out
+
+    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+        with self.hint_lock:
+            return super().finish_requests(*args, **kwargs)
+
+    def _free_request_blocks(self, request: Any) -> None:
+        s = self._req_session.pop(request.request_id, None)
+        self._client_priority.pop(request.request_id, None)
+        self._overdue.discard(request.request_id)
+        self.accounting.on_finished(request, s)
+        if s is None or not self.pins_supported or not self._request_blocks_can_be_freed(request):
+            if s is not None:
+                self.book.on_request_finished(s, request.request_id, [])
+            super()._free_request_blocks(request)
+            return
+        if self.infer is not None:
+            self.infer.on_turn_end(s, request.num_tokens)
+        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+        self.book.on_request_finished(s, request.request_id, blocks)
+        if self.infer is not None:
+            self.infer.after_turn_end(s)
+
+    def shutdown(self) -> None:
+        if self.hint_server is not None:
+            self.hint_server.stop()
+            self.hint_server = None
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
+        super().shutdown()
+
+    # ---- for the hint service and tests -------------------------------------------------------------
+    def prefill_backlog_tokens(self) -> int:
+        """Prompt tokens still to compute, waiting and running (the router's queueing signal)."""
+        total = 0
+        for r in [*self.waiting, *self.running]:
+            total += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+        return total
