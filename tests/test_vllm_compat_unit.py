@@ -1,11 +1,13 @@
 """The check that the installed vLLM has every internal hintflow's scheduler relies on (``_compat``).
 
-Without vLLM: stand-in classes with every required name pass; one name fewer, a class gone, or an
-overridden hook that vLLM's scheduler no longer calls raise ``RuntimeError`` naming the installed version,
-each missing name and the tested one; another version with every name logs one warning; ``serve_vllm``
-checks before it launches anything. With the vLLM venv's Python (skipped, saying why, where there is
-none): the installed vLLM passes, and ``HintflowScheduler`` fails at construction, before vLLM builds
-anything, once a name is deleted from vLLM's own ``Scheduler`` or its hook is no longer called.
+Without vLLM: stand-in classes with every required name pass; one name fewer, a class gone, an
+overridden hook that vLLM's ``Scheduler`` or ``AsyncScheduler`` no longer calls, or an ``AsyncScheduler``
+that no longer extends ``Scheduler`` raise ``RuntimeError`` naming the installed version, each missing
+name and the tested one; another version with every name logs one warning; ``serve_vllm`` checks before
+it launches anything. With the vLLM venv's Python (skipped, saying why, where there is none): the
+installed vLLM passes, and ``HintflowScheduler`` / ``HintflowAsyncScheduler`` fail at construction, before
+vLLM builds anything, once a name is deleted from vLLM's own ``Scheduler`` or a hook is no longer called
+(by ``Scheduler``, or by ``AsyncScheduler`` alone).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine_adapter.vllm_backend import _serve
 from engine_adapter.vllm_backend._compat import (
     OVERRIDDEN_HOOKS,
     REQUIRED,
+    SCHEDULER_CLASSES,
     TESTED_VLLM_VERSION,
     check_vllm_python,
     missing_internals,
@@ -52,10 +55,17 @@ class _SchedulerBase:
 
 
 def _stand_ins(drop: str = "", base: type = _SchedulerBase) -> dict[str, type | None]:
-    """A class per required owner with every required name, less ``drop`` (``Owner.name``)."""
+    """A class per required owner with every required name, less ``drop`` (``Owner.name``); the
+    ``AsyncScheduler`` stand-in extends the ``Scheduler`` one, as vLLM's does."""
     classes: dict[str, type | None] = {}
     for owner, (_, names) in REQUIRED.items():
-        bases = (base,) if owner == "Scheduler" else ()
+        bases: tuple[type, ...] = ()
+        if owner == "Scheduler":
+            bases = (base,)
+        elif owner == "AsyncScheduler":
+            sched = classes["Scheduler"]  # built first (REQUIRED's order)
+            assert sched is not None
+            bases = (sched,)
         attrs = {n: None for n in names if f"{owner}.{n}" != drop and not any(hasattr(b, n) for b in bases)}
         classes[owner] = type(owner, bases, attrs)
     return classes
@@ -88,7 +98,8 @@ def test_names_set_in_init_and_dataclass_fields_count_as_present() -> None:
     classes = _stand_ins()
     in_init = {"kv_cache_manager", "waiting"}  # only _SchedulerBase.__init__ sets these
     attrs = {n: None for n in REQUIRED["Scheduler"][1] if not hasattr(_SchedulerBase, n) and n not in in_init}
-    classes["Scheduler"] = type("Scheduler", (_SchedulerBase,), attrs)
+    classes["Scheduler"] = sched = type("Scheduler", (_SchedulerBase,), attrs)
+    classes["AsyncScheduler"] = type("AsyncScheduler", (sched,), {})  # inherits them all
     classes["SchedulerOutput"] = make_dataclass(
         "SchedulerOutput", [(n, int) for n in REQUIRED["SchedulerOutput"][1]]
     )
@@ -103,14 +114,34 @@ def test_a_hook_vllm_no_longer_calls_fails_and_a_vanished_class_is_named() -> No
             pass
 
     missing = missing_internals(_stand_ins(base=Refactored))
-    assert missing == [
-        "Scheduler._free_request_blocks (overridden by hintflow, but no longer called by vLLM)"
+    assert missing == [  # AsyncScheduler inherits the refactoring
+        f"{owner}._free_request_blocks (overridden by hintflow, but no longer called by vLLM)"
+        for owner in ("Scheduler", "AsyncScheduler")
     ]
     assert set(OVERRIDDEN_HOOKS) == {"_free_request_blocks", "_handle_blocked_waiting_request"}
 
     classes = _stand_ins()
     classes["FreeKVCacheBlockQueue"] = None
     assert missing_internals(classes) == ["vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue (the class)"]
+
+
+def test_the_async_scheduler_must_stay_a_scheduler_that_calls_the_hooks() -> None:
+    """HintflowAsyncScheduler puts the same rules over AsyncScheduler: an AsyncScheduler that frees blocks
+    its own way, or no longer extends Scheduler, would bypass them there only."""
+    assert SCHEDULER_CLASSES == ("Scheduler", "AsyncScheduler")
+    classes = _stand_ins()
+    sched = classes["Scheduler"]
+    assert sched is not None
+
+    def free_blocks_its_own_way(self: Any, request: Any) -> None:
+        pass
+
+    classes["AsyncScheduler"] = type("AsyncScheduler", (sched,), {"_free_blocks": free_blocks_its_own_way})
+    assert missing_internals(classes) == [
+        "AsyncScheduler._free_request_blocks (overridden by hintflow, but no longer called by vLLM)"
+    ]
+    classes["AsyncScheduler"] = type("AsyncScheduler", (_SchedulerBase,), dict(vars(sched)))
+    assert missing_internals(classes) == ["AsyncScheduler (no longer a subclass of Scheduler)"]
 
 
 def test_another_version_with_every_name_warns_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -148,18 +179,29 @@ def test_a_python_without_vllm_is_reported() -> None:
 
 _MUTATE = r"""
 import json
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from engine_adapter.vllm_backend._scheduler import HintflowScheduler
+from engine_adapter.vllm_backend._scheduler import HintflowAsyncScheduler, HintflowScheduler
 
-def construct():
+def construct(cls=HintflowScheduler):
     try:
-        HintflowScheduler(None, None)  # fails in our check, before vLLM's __init__ reads its arguments
+        cls(None, None)  # fails in our check, before vLLM's __init__ reads its arguments
     except RuntimeError as e:
         return str(e)
     except Exception as e:  # vLLM's __init__ ran: the check passed
         return "passed: " + type(e).__name__
 
-out = {"intact": construct()}
+out = {"intact": construct(), "async_intact": construct(HintflowAsyncScheduler)}
+callers = [  # Scheduler's functions that call the hook
+    name for name, f in vars(Scheduler).items()
+    if name != "_free_request_blocks" and "_free_request_blocks" in getattr(getattr(f, "__code__", None), "co_names", ())
+]
+for name in callers:  # as an upgrade in which AsyncScheduler frees blocks its own way
+    setattr(AsyncScheduler, name, lambda self, *a, **k: None)
+out["async_hook"] = construct(HintflowAsyncScheduler)
+out["sync_class"] = construct()  # the check is one for the installed vLLM: it fails for both classes
+for name in callers:
+    delattr(AsyncScheduler, name)
 saved = Scheduler._request_blocks_can_be_freed
 del Scheduler._request_blocks_can_be_freed  # as a vLLM upgrade that dropped it
 out["deleted"] = construct()
@@ -197,8 +239,10 @@ def test_the_scheduler_fails_at_construction_once_vllm_lacks_an_internal(
     r = subprocess.run([python, "-c", _MUTATE], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["intact"].startswith("passed: ")
+    assert out["intact"].startswith("passed: ") and out["async_intact"].startswith("passed: ")
+    assert "AsyncScheduler._free_request_blocks" in out["sync_class"]
     for case, name in (
+        ("async_hook", "AsyncScheduler._free_request_blocks (overridden by hintflow, but no longer called by vLLM)"),
         ("deleted", "Scheduler._request_blocks_can_be_freed"),
         ("hook", "Scheduler._free_request_blocks (overridden by hintflow, but no longer called by vLLM)"),
     ):

