@@ -1,5 +1,6 @@
-"""``hintflow engine serve --backend vllm --metrics-port``: the flag reaches vLLM's engine core as
-``HINTFLOW_METRICS_PORT`` (no vLLM needed: the command is built, not run)."""
+"""``hintflow engine serve --backend vllm``: ``--metrics-port`` reaches vLLM's engine core as
+``HINTFLOW_METRICS_PORT``; the scheduler class follows ``--async-scheduling`` (no vLLM needed: the command
+is built, not run)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import pytest
 from click.testing import CliRunner
 
 from engine_adapter.vllm_backend import _serve
-from engine_adapter.vllm_backend._serve import build_vllm_command
+from engine_adapter.vllm_backend._serve import (
+    ASYNC_SCHEDULER_CLS,
+    AUTO_SCHEDULER_CLS,
+    SCHEDULER_CLS,
+    build_vllm_command,
+)
 from hintflow.cli import hintflow
 
 
@@ -36,3 +42,53 @@ def test_cli_passes_metrics_port_to_serve_vllm(monkeypatch: pytest.MonkeyPatch, 
     assert r.exit_code == 0, r.output
     assert seen["metrics_port"] == 7002 and seen["hint_port"] == 7001
     assert seen["extra_args"] == ["--max-num-seqs", "4"]
+
+
+def _scheduler_cls(argv: list[str]) -> str:
+    assert argv.count("--scheduler-cls") == 1, argv
+    return argv[argv.index("--scheduler-cls") + 1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "cls"),
+    [
+        (["--async-scheduling"], ASYNC_SCHEDULER_CLS),
+        (["--max-num-seqs", "4", "--async_scheduling"], ASYNC_SCHEDULER_CLS),  # vLLM reads _ as -
+        (["--no-async-scheduling"], SCHEDULER_CLS),
+        (["--async-scheduling", "--no-async-scheduling"], SCHEDULER_CLS),  # the last wins, as in argparse
+        ([], AUTO_SCHEDULER_CLS),  # vLLM decides (on by default on CUDA, off on CPU): the engine core picks
+        (["--config", "vllm.yaml"], AUTO_SCHEDULER_CLS),  # a config file may say either
+    ],
+)
+def test_the_scheduler_class_follows_async_scheduling(tmp_path: Any, flags: list[str], cls: str) -> None:
+    argv, _ = build_vllm_command("m", python="python3", state_dir=tmp_path, extra_args=flags)
+    assert _scheduler_cls(argv) == cls
+    assert argv[len(argv) - len(flags) :] == flags  # the user's flags reach vLLM unchanged
+
+
+def test_a_given_scheduler_class_and_stock_vllm_are_left_alone(tmp_path: Any) -> None:
+    kw: dict[str, Any] = {"python": "python3", "state_dir": tmp_path}
+    argv, _ = build_vllm_command("m", extra_args=["--async-scheduling", "--scheduler-cls", "my.Sched"], **kw)
+    assert _scheduler_cls(argv) == "my.Sched"
+    argv, _ = build_vllm_command("m", hintflow=False, extra_args=["--async-scheduling"], **kw)
+    assert "--scheduler-cls" not in argv
+
+
+def test_cli_async_scheduling_launches_the_async_class(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """From ``hintflow engine serve ... -- --async-scheduling`` to the argv vLLM is started with."""
+    launched: list[list[str]] = []
+
+    class _Proc:
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(_serve, "check_vllm_python", lambda python, env=None: "0.32.0")
+    def popen(argv: list[str], **kw: Any) -> _Proc:
+        launched.append(argv)
+        return _Proc()
+
+    monkeypatch.setattr(_serve.subprocess, "Popen", popen)
+    args = ["engine", "serve", "--backend", "vllm", "--model", str(tmp_path), "--vllm-python", "py"]
+    r = CliRunner().invoke(hintflow, [*args, "--state-dir", str(tmp_path / "s"), "--", "--async-scheduling"])
+    assert r.exit_code == 0, r.output
+    assert len(launched) == 1 and _scheduler_cls(launched[0]) == ASYNC_SCHEDULER_CLS

@@ -8,6 +8,9 @@ the work tree unless ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``VLLM_RP
 ``TMPDIR`` point into ``state_dir``; ``--gpu-memory-utilization`` is a fraction of the NUMA node's memory on
 CPU, whose default (0.92) fails beside other processes, so 0.1 unless given. Flags in ``extra_args`` pass
 through to vLLM unchanged and win over these defaults.
+
+The scheduler class follows async scheduling (:func:`scheduler_cls_for`): vLLM uses a ``--scheduler-cls``
+as given whatever ``async_scheduling`` says, so the class must match the mode (``_scheduler``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from pathlib import Path
 from ._compat import check_vllm_python
 
 __all__ = [
+    "ASYNC_SCHEDULER_CLS",
+    "AUTO_SCHEDULER_CLS",
     "SCHEDULER_CLS",
+    "async_scheduling_flag",
     "build_vllm_command",
     "find_vllm_python",
+    "scheduler_cls_for",
     "serve_vllm",
     "start_vllm",
     "stop_vllm",
@@ -34,6 +41,8 @@ __all__ = [
 ]
 
 SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowScheduler"
+ASYNC_SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowAsyncScheduler"
+AUTO_SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowAutoScheduler"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -56,6 +65,30 @@ def find_vllm_python() -> str | None:
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def async_scheduling_flag(args: Sequence[str]) -> bool | None:
+    """What vLLM flags say about async scheduling: the last ``--async-scheduling`` (True) or
+    ``--no-async-scheduling`` (False), as vLLM's parser reads them (underscores allowed); None for neither."""
+    said: bool | None = None
+    for a in args:
+        if a.startswith("--"):
+            name = "--" + a[2:].split("=", 1)[0].replace("_", "-")
+            if name in ("--async-scheduling", "--no-async-scheduling"):
+                said = name == "--async-scheduling"
+    return said
+
+
+def scheduler_cls_for(args: Sequence[str]) -> str:
+    """The ``--scheduler-cls`` for vLLM flags ``args``: the async class when they ask for async scheduling,
+    the synchronous one when they turn it off, else the class that decides in the engine core.
+
+    Why the last: without either flag vLLM decides (on by default; off for pooling models, some
+    speculative decoding, executors without support, and always on CPU), which only its final config in
+    the engine core knows for sure, and a ``--config`` file may set it where this cannot see.
+    """
+    said = async_scheduling_flag(args)
+    return AUTO_SCHEDULER_CLS if said is None else ASYNC_SCHEDULER_CLS if said else SCHEDULER_CLS
 
 
 def build_vllm_command(
@@ -105,7 +138,7 @@ def build_vllm_command(
         argv += ["--gpu-memory-utilization", "0.1"]
     if hintflow:
         if not _has_flag(extra, "--scheduler-cls"):
-            argv += ["--scheduler-cls", SCHEDULER_CLS]
+            argv += ["--scheduler-cls", scheduler_cls_for(extra)]
         if not _has_flag(extra, "--scheduling-policy"):
             argv += ["--scheduling-policy", "priority"]  # program-level FCFS needs vLLM's priority queue
         if hint_port is not None:
