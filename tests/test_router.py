@@ -81,6 +81,19 @@ def test_cold_node_chosen_when_warm_wait_exceeds_recompute() -> None:
     assert d.expected_s["b"] == pytest.approx(default_prefill_s(8200, 0))
 
 
+def test_a_session_stays_home_unless_another_node_is_twice_as_fast() -> None:
+    req = RouteRequest("s", "p", context_tokens=1100)
+    for backlog, expected in ((1400, ("a", "warm-home")), (2900, ("b", "cold-cheaper"))):
+        home = state("na", sessions=(resident("s", device=1000),), backlog=backlog, waiting=1)
+        router = two_nodes(Router(linear), a=home)
+        router.started("a", req)
+        router.finished("a", "s")
+        d = router.choose(req, now_s=0.0)
+        assert d.expected_s["b"] == pytest.approx(1.1) and d.expected_s["a"] == pytest.approx(backlog * 1e-3)
+        assert (d.address, d.reason) == expected  # cheaper elsewhere both times: only the margin decides
+        assert d.moved_from == (None if d.address == "a" else "a")
+
+
 def test_cost_formula_by_hand() -> None:
     router = two_nodes(
         Router(linear, decode_s_per_running_seq=0.01),
