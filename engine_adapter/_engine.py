@@ -133,8 +133,8 @@ class EngineCore:
             raise InvalidArgument("prompt_token_ids must not be empty")
         if max_new_tokens < 1:
             raise InvalidArgument(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        bad = next((t for t in prompt if not 0 <= t < ex.vocab_size), None)
-        if bad is not None:
+        if min(prompt) < 0 or max(prompt) >= ex.vocab_size:  # C-speed scan first: prompts are long
+            bad = next(t for t in prompt if not 0 <= t < ex.vocab_size)
             raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {ex.vocab_size})")
         if any(not 0 <= t < ex.vocab_size for t in stop):
             raise InvalidArgument(f"stop_token_ids must lie in [0, {ex.vocab_size})")
