@@ -67,6 +67,12 @@ class ProgramGraph:
         edge["durations"].observe(duration_s)  # validates before anything is counted
         edge["count"] += 1
         self.graph.nodes[src]["durations"].observe(duration_s)
+        # Every edge out of src changes probability; keep -log P on the edges so path searches read an
+        # attribute instead of summing src's out-edges at every edge they relax (most of a multi-agent
+        # replay's time when it was a weight function).
+        total = sum(d["count"] for _, _, d in self.graph.out_edges(src, data=True))
+        for _, _, d in self.graph.out_edges(src, data=True):
+            d["neg_log_p"] = -math.log(d["count"] / total)
 
     def num_transitions(self, src: str, dst: str) -> int:
         return int(self.graph.edges[src, dst]["count"]) if self.graph.has_edge(src, dst) else 0
@@ -95,10 +101,6 @@ class ProgramGraph:
         dist: EmpiricalDistribution = self.graph.nodes[step]["durations"]
         return dist if dist.num_samples else None
 
-    def _neg_log_p(self, u: str, v: str, _: Mapping[str, object]) -> float:
-        total = sum(d["count"] for _, _, d in self.graph.out_edges(u, data=True))
-        return -math.log(self.graph.edges[u, v]["count"] / total)
-
     def most_likely_paths(self, src: str) -> dict[str, list[str]]:
         """For every step reachable from ``src`` in >= 1 transition, the most probable path to it.
 
@@ -107,7 +109,7 @@ class ProgramGraph:
         """
         best: dict[str, tuple[float, list[str]]] = {}
         for first, p in self.next_step_probabilities(src).items():
-            costs, paths = nx.single_source_dijkstra(self.graph, first, weight=self._neg_log_p)
+            costs, paths = nx.single_source_dijkstra(self.graph, first, weight="neg_log_p")
             for dst, cost in costs.items():
                 total = cost - math.log(p)
                 if dst not in best or total < best[dst][0]:
