@@ -8,6 +8,7 @@ then.  Registered on the main group by ``hintflow/cli.py``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -78,6 +79,9 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="write PNG plots (JCT CDF, across-turn hits, device memory) into this folder")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="tqdm bar per policy")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="policies replayed at once in worker processes (modeled executor; same reports) "
+                   "[the CPU count, at most one per policy; 1 with --executor torch]")
 @click.option("--vllm-python", default=None, help="vllm: the Python that has vLLM  [default: .venv-vllm]")
 @click.option("--model", "vllm_model", type=click.Path(file_okay=False), default=None,
               help="vllm: model folder  [default: the tiny model, built in --state-dir]")
@@ -88,8 +92,8 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
                    rate: float | None, num_programs: int | None, kv_capacity_tokens: int | None,
                    host_capacity_tokens: int | None, cost_model: str | None, block_size: int | None, seed: int,
                    ttft_deadline_s: float | None, scale: float | None, json_out: str | None,
-                   plots_dir: str | None, progress: bool, vllm_python: str | None, vllm_model: str | None,
-                   state_dir: str | None) -> None:
+                   plots_dir: str | None, progress: bool, jobs: int | None, vllm_python: str | None,
+                   vllm_model: str | None, state_dir: str | None) -> None:
     """Replay an agent workload under each policy and print the side-by-side table."""
     from replay._vllm_backend import check_backend_options
 
@@ -112,7 +116,9 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
                         ttft_deadline_s=ttft_deadline_s)
     t0 = time.perf_counter()
     try:
-        setup, results = run_replay(setup, configs, progress=_tqdm_progress(progress))
+        if jobs is None:
+            jobs = 1 if executor == "torch" else max(1, len(os.sched_getaffinity(0)))
+        setup, results = run_replay(setup, configs, progress=_tqdm_progress(progress), jobs=jobs)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     wall_s = time.perf_counter() - t0

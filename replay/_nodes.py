@@ -25,6 +25,7 @@ the model against the measured time of the very same batches.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -33,11 +34,12 @@ from dataclasses import dataclass, field
 from engine_adapter._cost_model import CostModel
 from engine_adapter._engine import EngineCore
 from engine_adapter._executor import Executor, ScheduledBatch, StepOutput, VirtualClock
+from engine_adapter._kv_manager import KVStats
 from engine_adapter._modeled_executor import ModeledExecutor
 from engine_adapter._scheduler import Request, SchedulerConfig
 from replay._policies import ReplayConfig
 
-__all__ = ["NodeSpec", "SimNode", "build_nodes", "make_executor"]
+__all__ = ["NodeSpec", "NodeTotals", "SimNode", "build_nodes", "make_executor"]
 
 Schedule = Callable[[float, Callable[[], None]], None]  # (at time, action): the simulator's event queue
 
@@ -56,6 +58,21 @@ class NodeSpec:
     executor: str = "modeled"  # "modeled": steps priced by cost_model; "torch": computed and timed
     torch_device: str = "cpu"  # where torch nodes compute (cpu-tiny describes this machine's CPU)
     ttft_deadline_s: float | None = None  # for the configs that take it (ReplayConfig.ttft_deadline)
+
+
+@dataclass(frozen=True)
+class NodeTotals:
+    """What a report reads of one node once its replay is over: plain values, so a result can cross a
+    process boundary (``run_replay(jobs=N)``) without the engine it came from."""
+
+    address: str
+    kv_stats: KVStats
+    num_preemptions: int
+    pinned_token_s: float
+    num_steps: int
+    num_step_tokens: int
+    step_s: float
+    modeled_step_s: float
 
 
 @dataclass(eq=False)
@@ -77,6 +94,11 @@ class SimNode:
     _last_account_s: float = 0.0
     _last_pinned_tokens: int = 0
     finished: list[Request] = field(default_factory=list)
+
+    def totals(self) -> NodeTotals:
+        return NodeTotals(self.address, dataclasses.replace(self.engine.kv.stats),
+                          self.engine.scheduler.num_preemptions, self.pinned_token_s, self.num_steps,
+                          self.num_step_tokens, self.step_s, self.modeled_step_s)
 
     @property
     def block_size(self) -> int:

@@ -56,7 +56,7 @@ def metrics(result: SimResult) -> dict[str, Any]:
     for t in sorted(turns, key=lambda t: t.ready_s):
         moves += int(last_node.setdefault(t.session_key, t.node) != t.node)
         last_node[t.session_key] = t.node
-    stats = [n.engine.kv.stats for n in result.nodes]
+    stats = [n.kv_stats for n in result.node_totals]
     m: dict[str, Any] = {
         "jct_mean_s": float(np.mean(jct)) if jct else 0.0,
         "jct_p50_s": _pct(jct, 50), "jct_p90_s": _pct(jct, 90), "jct_p99_s": _pct(jct, 99),
@@ -72,10 +72,10 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "computed_prompt_tokens": sum(t.computed_tokens for t in turns),
         "throughput_tokens_per_s": _ratio(output, result.makespan_s),
         "prompt_throughput_tokens_per_s": _ratio(prompt, result.makespan_s),
-        "pinned_token_seconds": sum(n.pinned_token_s for n in result.nodes),
+        "pinned_token_seconds": sum(n.pinned_token_s for n in result.node_totals),
         "migrations": 0,  # no context is moved between nodes yet (export/import); see session_moves
         "session_moves": moves,
-        "preemptions": sum(n.engine.scheduler.num_preemptions for n in result.nodes),
+        "preemptions": sum(n.num_preemptions for n in result.node_totals),
         "evicted_blocks": sum(s.evicted_blocks for s in stats),
         "offloaded_blocks": sum(s.offloaded_blocks for s in stats),
         "reloaded_blocks": sum(s.reloaded_blocks for s in stats),
@@ -84,12 +84,12 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "num_turns": len(turns),
         "makespan_s": result.makespan_s,
         "wall_s": result.wall_s,
-        "num_steps": sum(n.num_steps for n in result.nodes),
+        "num_steps": sum(n.num_steps for n in result.node_totals),
         # the executor's work: tokens run forward, step time on the clock (measured on torch, else modeled)
         # and the cost model's price of the same steps (equal to step_s on the modeled executor)
-        "step_tokens": sum(n.num_step_tokens for n in result.nodes),
-        "step_s": sum(n.step_s for n in result.nodes),
-        "modeled_step_s": sum(n.modeled_step_s for n in result.nodes),
+        "step_tokens": sum(n.num_step_tokens for n in result.node_totals),
+        "step_s": sum(n.step_s for n in result.node_totals),
+        "modeled_step_s": sum(n.modeled_step_s for n in result.node_totals),
         "num_events": result.num_events,
     }
     m.update(result.extra)

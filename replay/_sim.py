@@ -43,7 +43,7 @@ from orchestrator import (
 )
 from orchestrator._prefill import PrefillEstimator
 from orchestrator._router import Router, RouteRequest
-from replay._nodes import NodeSpec, SimNode, build_nodes
+from replay._nodes import NodeSpec, NodeTotals, SimNode, build_nodes
 from replay._policies import ReplayConfig
 from replay._prompts import PromptBuilder
 from replay._runs import ProgramRun, SessionRun, TurnRecord
@@ -59,11 +59,12 @@ class SimResult:
     turns: list[TurnRecord]
     programs: list[ProgramRun]
     memory: list[tuple[float, str, int, int, int]]  # (t, node, device used, pinned, host used) tokens
-    nodes: list[SimNode]
+    nodes: list[SimNode]  # the live nodes, for in-process callers; empty once shipped from a worker process
     wall_s: float
     makespan_s: float
     num_events: int
     extra: dict[str, Any] = field(default_factory=dict)
+    node_totals: list[NodeTotals] = field(default_factory=list)  # what the report reads of each node
 
 
 class Simulation:
@@ -160,6 +161,7 @@ class Simulation:
             time.perf_counter() - wall0,
             self.now,
             num_events,
+            node_totals=[n.totals() for n in self.nodes],
         )
 
     def _sample(self) -> None:

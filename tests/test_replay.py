@@ -49,6 +49,23 @@ def test_same_trace_replays_identically() -> None:
     assert json.dumps(_strip_wall(a), sort_keys=True) == json.dumps(_strip_wall(b), sort_keys=True)
 
 
+def test_policies_in_worker_processes_give_the_same_report() -> None:
+    configs = [get_replay_config("vllm-default"), get_replay_config("kvflow"), get_replay_config("hintflow")]
+    seen: list[tuple[str, int]] = []
+
+    def progress(name: str, total: int):  # type: ignore[no-untyped-def]
+        return lambda n: seen.append((name, n))
+
+    one = report_json(*run_replay(_setup(), configs, programs=_tiny()))
+    setup, results = run_replay(_setup(), configs, programs=_tiny(), jobs=2, progress=progress)
+    assert [r.config.name for r in results] == [c.name for c in configs]  # the order asked for
+    assert all(not r.nodes and len(r.node_totals) == 2 for r in results)  # engines stayed in the workers
+    assert sorted(seen) == sorted((c.name, 6) for c in configs)  # one tick per finished policy
+    two = report_json(setup, results)
+    assert json.dumps(_strip_wall(one), sort_keys=True) == json.dumps(_strip_wall(two), sort_keys=True)
+    assert one["policies"]["vllm-default"]["recomputed_tokens"] > 0  # (the runs did something)
+
+
 @pytest.fixture(scope="module")
 def all_results():  # type: ignore[no-untyped-def]
     programs = _tiny(8)
