@@ -222,6 +222,22 @@ def test_hintflow_prices_a_pin_by_the_cheaper_of_reprefill_and_host_reload() -> 
     assert [h for h in theirs.on_event(ev) if isinstance(h, Pin) and h.ttl_s > 0]
 
 
+def test_hintflow_with_a_host_tier_leaves_queueing_out_of_a_pins_price() -> None:
+    """Queueing observed on evicted turns (T = 20 s) would make Continuum pin for ln(20.5) s; with a host
+    tier hintflow prices the pin by the 0.5 s reload alone (B < 1: no pin).  Without one it keeps T."""
+    ev = ToolStarted("p", "s", "bash", 0.0, 1000)
+
+    def pin_ttl(name: str, **kw: object) -> float:
+        policy = get_policy(name, prefill_reload=lambda n: 10.0, **kw)  # type: ignore[arg-type]
+        for _ in range(5):
+            policy.ttl.observe_evicted_queue_delay(20.0)  # type: ignore[attr-defined]
+        return max((h.ttl_s for h in policy.on_event(ev) if isinstance(h, Pin)), default=0.0)
+
+    assert pin_ttl("continuum", host_reload=lambda n: 0.5) == pytest.approx(math.log(30.0), rel=1e-2)
+    assert pin_ttl("hintflow") == pytest.approx(math.log(30.0), rel=1e-2)  # no host tier: T counts
+    assert pin_ttl("hintflow", host_reload=lambda n: 0.5) == 0.0
+
+
 def test_hintflow_pins_at_turn_end_once_the_graph_knows_a_tool_follows() -> None:
     policy = get_policy("hintflow", prefill_reload=lambda n: 10.0)
     trace = run(policy, three_turn_program())
