@@ -54,6 +54,7 @@ __all__ = [
     "MAX_WORKERS",
     "HintServer",
     "apply_hints",
+    "bind_engine_node",
     "start_hint_server",
 ]
 
@@ -62,6 +63,17 @@ MAX_WORKERS = 32
 of the orchestrator opens one of each per node), so a few workers must not exhaust the pool."""
 
 log = logging.getLogger(__name__)
+
+
+def bind_engine_node(servicer: Any, host: str, port: int, what: str, thread_prefix: str) -> tuple[grpc.Server, int]:
+    """A not yet started gRPC server with ``servicer`` as ``hintflow.v1.EngineNode`` on ``host:port`` (0: a
+    free port) and a pool of :data:`MAX_WORKERS` threads; (server, bound port). OSError naming ``what``."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix=thread_prefix))
+    engine_pb2_grpc.add_EngineNodeServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"hintflow: cannot bind the {what} to {host}:{port}")
+    return server, bound
 
 
 class _Error(Exception):
@@ -242,13 +254,7 @@ def start_hint_server(
     ``/metrics`` on ``$HINTFLOW_METRICS_HOST`` (default ``host``); see ``_metrics``.
     """
     servicer = _Servicer(sched)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="hintflow-hints")
-    )
-    engine_pb2_grpc.add_EngineNodeServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"hintflow: cannot bind the hint service to {host}:{port}")
+    server, bound = bind_engine_node(servicer, host, port, "hint service", "hintflow-hints")
     if metrics_port is None:
         metrics_port = int(os.environ.get("HINTFLOW_METRICS_PORT", "-1") or "-1")
     metrics = None

@@ -18,7 +18,6 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,7 @@ from hints import (
 )
 
 from ._cache_state import serve_watch
-from ._hint_service import MAX_WORKERS
+from ._hint_service import bind_engine_node
 from ._kv_events import GPU
 from ._kv_state import VllmCacheStateSource
 from ._kv_subscriber import KvEventSubscriber
@@ -149,13 +148,7 @@ def serve_sidecar(
         subscriber.start()
     source = VllmCacheStateSource(subscriber, metrics_url, **source_kw)
     servicer = _SidecarServicer(source)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="hintflow-kv")
-    )
-    engine_pb2_grpc.add_EngineNodeServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"hintflow: cannot bind the KV-event sidecar to {host}:{port}")
+    server, bound = bind_engine_node(servicer, host, port, "KV-event sidecar", "hintflow-kv")
     http = None
     if metrics_port is not None and metrics_port >= 0:
         registry = CollectorRegistry()
