@@ -171,6 +171,12 @@ def _cache_replay_table(result: dict[str, Any], seconds: float) -> str:
     help="vllm: caches, sockets and TMPDIR of the server.",
 )
 @click.option("--vllm-python", default=None, help="vllm: the Python that has vLLM.  [default: .venv-vllm]")
+@click.option(
+    "--host-capacity-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="vllm: hintflow's host KV tier (a vLLM KV connector) of this many tokens.  [default: none]",
+)
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--executor", type=click.Choice(["torch", "modeled"]), default=None, help="[default: torch]")
 @click.option("--host", default=None, help="Address to bind.  [default: 127.0.0.1]")
@@ -195,6 +201,7 @@ def serve(
     hint_port: int | None,
     state_dir: str,
     vllm_python: str | None,
+    host_capacity_tokens: int | None,
     vllm_args: tuple[str, ...],
     **overrides: Any,
 ) -> None:
@@ -232,10 +239,13 @@ def serve(
                 state_dir=state_dir,
                 python=vllm_python,
                 extra_args=list(vllm_args),
+                host_capacity_tokens=host_capacity_tokens,
             )
-        except RuntimeError as e:  # an incompatible vLLM, or one that exited at start-up: say so, no traceback
+        except (RuntimeError, ValueError) as e:  # an incompatible vLLM, or one that exited at start-up: say so, no traceback
             raise click.ClickException(str(e)) from None
         raise SystemExit(status)
+    if host_capacity_tokens is not None:
+        raise click.UsageError("--host-capacity-tokens is for --backend vllm (this node: --num-host-blocks)")
     if vllm_args:
         raise click.UsageError(
             f"unexpected arguments {' '.join(vllm_args)!r} (only --backend vllm passes flags on)"

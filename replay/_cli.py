@@ -61,7 +61,8 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 @click.option("--kv-capacity-tokens", type=click.IntRange(min=1), default=None,
               help="device KV per node [a third of the live programs' contexts per node]")
 @click.option("--host-capacity-tokens", type=click.IntRange(min=0), default=None,
-              help="host KV memory per node, for the policies that use one [all live contexts]")
+              help="host KV memory per node, for the policies that use one; with --backend vllm, the "
+                   "host tier of the MODE+host policies [all live contexts; vllm: every program's longest]")
 @click.option("--cost-model", default=None,
               help="bundled profile name (cpu-tiny, h100-llama3-8b, a100-llama3-8b) or a JSON file "
                    "[h100-llama3-8b; cpu-tiny with --executor torch]")

@@ -7,7 +7,9 @@ outputs capped, pauses as in the trace, sessions with their ``after`` / ``join``
 against real vLLM OpenAI servers that ``_agent_bench.run_mode`` starts, one per policy, each with the same
 model and the same KV pool. The policies are the benchmark's modes: ``vanilla`` (stock vLLM),
 ``hintflow-infer`` (our scheduler, hints inferred from ``program_id`` / ``tool`` / ``is_last_turn``) and
-``hintflow-orchestrator`` (our scheduler, the ``hintflow`` policy pushing hints over gRPC).
+``hintflow-orchestrator`` (our scheduler, the ``hintflow`` policy pushing hints over gRPC); each also as
+``MODE+host``, with hintflow's host KV tier (``_host_connector``) of ``--host-capacity-tokens`` (default:
+every program's longest context, host memory for all of them).
 
 The pool defaults to a third of the live programs' contexts (``pool_blocks_for``, as the benchmark), never
 less than one longest request. The benchmark is imported inside the functions, so the ``hintflow``
@@ -40,7 +42,7 @@ VLLM_WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
 """Per generator, with ``--backend vllm``: programs, arrival rate and token scale when not given (files:
 all programs, the trace's arrivals, scale 1)."""
 
-MODELED_ONLY = {"host_capacity_tokens": "--host-capacity-tokens", "cost_model": "--cost-model",
+MODELED_ONLY = {"cost_model": "--cost-model",
                 "block_size": "--block-size", "ttft_deadline_s": "--ttft-deadline", "plots_dir": "--plots"}
 VLLM_ONLY = {"vllm_python": "--vllm-python", "vllm_model": "--model", "state_dir": "--state-dir"}
 
@@ -68,13 +70,14 @@ def check_backend_options(ctx: click.Context, backend: str) -> None:
 
 
 def parse_modes(spec: str) -> list[str]:
-    """``--policy`` for the vLLM backend: comma-separated benchmark modes, or ``all``."""
+    """``--policy`` for the vLLM backend: comma-separated benchmark modes (each optionally ``+host``), or
+    ``all`` (every mode without the host tier)."""
     from engine_adapter.vllm_backend._agent_bench import MODES
 
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if names == ["all"]:
         return list(MODES)
-    unknown = [n for n in names if n not in MODES]
+    unknown = [n for n in names if n.removesuffix("+host") not in MODES]
     if unknown or not names:
         from replay._policies import REPLAY_CONFIGS
 
@@ -82,7 +85,7 @@ def parse_modes(spec: str) -> list[str]:
         note = f"; {', '.join(modeled)}: --backend modeled" if modeled else ""
         word = "policies" if len(unknown) > 1 else "policy"
         raise ValueError(f"unknown {word} {', '.join(map(repr, unknown)) or repr(spec)} for --backend vllm; known: "
-                         f"{', '.join(MODES)} (or all){note}")
+                         f"{', '.join(MODES)}, each optionally with +host (or all){note}")
     return list(dict.fromkeys(names))
 
 
@@ -99,7 +102,7 @@ def run_vllm_replay(
     *, workload: str, modes: list[str], num_programs: int | None = None, rate: float | None = None,
     scale: float | None = None, seed: int = 0, kv_capacity_tokens: int | None = None,
     vllm_python: str | None = None, model: str | Path | None = None, state_dir: str | Path | None = None,
-    pin_budget: float = 0.7, progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    pin_budget: float = 0.7, host_capacity_tokens: int | None = None, progress: Callable[[str, int], Callable[[int], None]] | None = None,
     log: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:  # fmt: skip
     """Load the workload, convert it, run each mode on its own server; the report (``policies``: one
@@ -133,6 +136,9 @@ def run_vllm_replay(
         wanted = math.ceil(kv_capacity_tokens / BLOCK)
     floor = max_len // BLOCK + 1  # the pool must hold one longest request (and vLLM's null block)
     blocks = max(wanted, floor)
+    host_tokens = host_capacity_tokens or sum(p.max_context for p in agents)
+    if host_capacity_tokens is not None and host_capacity_tokens < BLOCK:
+        raise ValueError(f"--host-capacity-tokens {host_capacity_tokens}: less than one {BLOCK}-token block")
 
     python = vllm_python or find_vllm_python()
     if python is None:
@@ -162,7 +168,8 @@ def run_vllm_replay(
         "kv_capacity_tokens_wanted": wanted * BLOCK if kv_capacity_tokens is None else kv_capacity_tokens,
         "kv_capacity_source": "--kv-capacity-tokens" if kv_capacity_tokens is not None
         else "a third of the live programs' contexts", "expected_live_programs": live,
-        "max_model_len": max_len, "pin_budget": pin_budget, "model": str(model_dir), "vllm_python": python,
+        "max_model_len": max_len, "pin_budget": pin_budget,
+        "host_capacity_tokens": host_tokens if any(m.endswith("+host") for m in modes) else None, "model": str(model_dir), "vllm_python": python,
         "state_dir": str(state), "policies": modes,
     }  # fmt: skip
     t0 = time.perf_counter()
@@ -171,7 +178,7 @@ def run_vllm_replay(
         cb = progress(mode, len(agents)) if progress is not None else None
         report["policies"][mode] = run_mode(
             mode, agents, model=model_dir, python=python, state=state, num_blocks=blocks, max_model_len=max_len,
-            pin_budget=pin_budget, extra_args=[], progress=cb,
+            pin_budget=pin_budget, extra_args=[], progress=cb, host_capacity_tokens=host_tokens,
         )  # fmt: skip
         report["programs"][mode] = json.loads((state / f"{mode}.programs.json").read_text())
     report["verdict"] = verdict(report["policies"])
@@ -231,6 +238,7 @@ def vllm_replay(ctx: click.Context, progress: Callable[[str, int], Callable[[int
             workload=p["workload"], modes=modes, num_programs=p["num_programs"], rate=p["rate"], scale=p["scale"],
             seed=p["seed"], kv_capacity_tokens=p["kv_capacity_tokens"], vllm_python=p["vllm_python"],
             model=p["vllm_model"], state_dir=p["state_dir"], progress=progress, log=log,
+            host_capacity_tokens=p["host_capacity_tokens"],
         )  # fmt: skip
     except (ValueError, OSError, RuntimeError, TimeoutError) as e:
         raise click.ClickException(str(e)) from None
@@ -238,10 +246,11 @@ def vllm_replay(ctx: click.Context, progress: Callable[[str, int], Callable[[int
     raised = (f" (raised from {c['kv_capacity_tokens_wanted']:,}: one longest request must fit)"
               if c["kv_capacity_tokens"] > c["kv_capacity_tokens_wanted"] else "")  # fmt: skip
     several = f" ({c['multi_session_programs']} of several sessions)" if c["multi_session_programs"] else ""
+    host = f"host tier of +host policies {c['host_capacity_tokens']:,} tokens, " if c["host_capacity_tokens"] else ""
     click.echo(f"{c['workload']}: {c['num_programs']} programs{several}, {c['num_turns']} turns, one real vLLM "
                f"node per policy ({Path(c['model']).name}), token scale {c['scale']:g}, outputs <= "
                f"{c['max_output_tokens']} tokens, KV pool {c['num_gpu_blocks']} blocks of {c['block_size']} = "
-               f"{c['kv_capacity_tokens']:,} tokens{raised}, max-model-len {c['max_model_len']:,}, "
+               f"{c['kv_capacity_tokens']:,} tokens{raised}, {host}max-model-len {c['max_model_len']:,}, "
                f"{c['wall_s']:.1f} s wall")  # fmt: skip
     click.echo(vllm_table(report))
     if p["json_out"]:

@@ -196,3 +196,12 @@ def test_the_collector_exports_the_embedded_names_from_the_accounting() -> None:
     assert samples[("hintflow_queue_wait_seconds_bucket", "2.5")] == 2
     assert samples[("hintflow_queue_wait_seconds_bucket", "1.0")] == 1
     assert samples[("hintflow_time_to_first_token_seconds_count", "")] == 1
+
+
+def test_host_tier_loads_are_host_hits() -> None:
+    wall = Wall()
+    acct = RequestAccounting(wall_clock=wall)
+    acct.on_scheduled(Req("r1", list(range(600)), arrival_time=wall.t), 512, None, host_hit_tokens=384)
+    assert (acct.device_hit_tokens, acct.host_hit_tokens, acct.computed_tokens) == (128, 384, 88)
+    acct.on_scheduled(Req("r2", list(range(600)), arrival_time=wall.t), 128, None, host_hit_tokens=999)
+    assert acct.host_hit_tokens == 384 + 128  # never more than the hits

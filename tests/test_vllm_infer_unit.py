@@ -217,3 +217,19 @@ def test_a_program_is_released_only_when_every_session_is_silent_past_its_own_le
     book.expire()
     inf.sweep()
     assert not {"p/a", "p/b"} & set(book.sessions) and inf.inferred_releases == 1
+
+
+def test_with_a_host_tier_pins_are_priced_by_the_copy_back_alone() -> None:
+    """A node with a host tier: an unpinned context is copied back, not re-prefilled, and T is left out, so
+    even a deep prefill backlog does not make a pin pay (the same turn pins without the host tier)."""
+    backlog = [50_000]
+    book = SessionBook(Pool(), 100, pin_budget_fraction=0.5, clock=Clock())
+    kw: dict = {"reload_s_per_token": 1e-4, "backlog_tokens": lambda: backlog[0]}
+    inf = HintInference(book, host_reload_s_per_token=2e-6, **kw)
+    assert inf.rule.queue_delay_s == 0.0
+    _turn(book, inf, "a", "r1", {"program_id": "a", "tool": "edit"})
+    assert book.num_pinned_blocks == 0 and inf.inferred_pins == 0
+    book2 = SessionBook(Pool(), 100, pin_budget_fraction=0.5, clock=Clock())
+    inf2 = HintInference(book2, **kw)
+    _turn(book2, inf2, "a", "r1", {"program_id": "a", "tool": "edit"})
+    assert book2.num_pinned_blocks == 4

@@ -92,3 +92,33 @@ def test_cli_async_scheduling_launches_the_async_class(monkeypatch: pytest.Monke
     r = CliRunner().invoke(hintflow, [*args, "--state-dir", str(tmp_path / "s"), "--", "--async-scheduling"])
     assert r.exit_code == 0, r.output
     assert len(launched) == 1 and _scheduler_cls(launched[0]) == ASYNC_SCHEDULER_CLS
+
+
+def test_a_host_tier_becomes_vllms_kv_connector_config(tmp_path: Any) -> None:
+    import json
+
+    for hintflow_scheduler in (True, False):  # the host tier works under vLLM's own scheduler too
+        argv, _ = build_vllm_command(
+            "m", python="python3", state_dir=tmp_path, host_capacity_tokens=4096, hintflow=hintflow_scheduler
+        )
+        cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert cfg["kv_connector"] == "HintflowHostTier"
+        assert cfg["kv_connector_extra_config"] == {"host_capacity_tokens": 4096}
+    argv, _ = build_vllm_command("m", python="python3", state_dir=tmp_path)
+    assert "--kv-transfer-config" not in argv
+    with pytest.raises(ValueError, match="both configure vLLM's KV connector"):
+        build_vllm_command(
+            "m", python="python3", state_dir=tmp_path, host_capacity_tokens=4096,
+            extra_args=["--kv-transfer-config", "{}"],
+        )  # fmt: skip
+
+
+def test_cli_host_capacity_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(_serve, "serve_vllm", lambda model, **kw: seen.update(kw) or 0)
+    args = ["engine", "serve", "--backend", "vllm", "--model", str(tmp_path), "--host-capacity-tokens", "8192"]
+    res = CliRunner().invoke(hintflow, args)
+    assert res.exit_code == 0, res.output
+    assert seen["host_capacity_tokens"] == 8192
+    res = CliRunner().invoke(hintflow, ["engine", "serve", "--host-capacity-tokens", "8192"])
+    assert res.exit_code == 2 and "--num-host-blocks" in res.output

@@ -11,9 +11,9 @@ Here the same split is made when vLLM first schedules a request: its hits are vL
 and its history is the common prefix of its prompt with the tokens whose KV the session's previous turn
 computed (kept on the ``VSession`` when that turn finished). A common prefix rather than the previous
 context's length: agent clients often resend their inputs without the model's last output, and those
-output tokens are neither history nor recomputed. vLLM cannot split hits by tier (a KV connector's
-loads are folded into the same count), so all hits are ``device_hit`` and ``host_hit`` stays 0: this
-backend has no host tier of its own.
+output tokens are neither history nor recomputed. vLLM folds a KV connector's loads into the same
+count; with hintflow's host tier (``_host_connector``) the scheduler passes the tokens it loaded for the
+request, which are ``host_hit``; the rest of the hits are ``device_hit``.
 
 Time to first token and queue wait are measured from the request's ``arrival_time`` (wall time, set by
 vLLM's front end) to the step that scheduled it and to the step whose output held its first token, in
@@ -95,6 +95,7 @@ class RequestAccounting:
     """Counters and histograms of the ``hintflow_*`` per-request series; see the module docstring."""
 
     device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
     computed_tokens: int = 0
     across_turn_prompt_tokens: int = 0
     across_turn_hit_tokens: int = 0
@@ -106,8 +107,11 @@ class RequestAccounting:
     _scheduled: set[str] = field(default_factory=set)  # request ids accounted (first scheduling seen)
     _first_token: dict[str, Any] = field(default_factory=dict)  # request id -> request without output yet
 
-    def on_scheduled(self, request: Any, hit_tokens: int, session: VSession | None) -> None:
-        """vLLM scheduled ``request`` as a new one, with ``hit_tokens`` found in its prefix cache.
+    def on_scheduled(
+        self, request: Any, hit_tokens: int, session: VSession | None, host_hit_tokens: int = 0
+    ) -> None:
+        """vLLM scheduled ``request`` as a new one, with ``hit_tokens`` found cached (``host_hit_tokens``
+        of them loaded from the host tier).
 
         Only the first time counts: vLLM's V2 model runner lists resumed (preempted) requests as new too.
         """
@@ -115,7 +119,9 @@ class RequestAccounting:
             return
         self._scheduled.add(request.request_id)
         prompt = request.num_prompt_tokens
-        self.device_hit_tokens += hit_tokens
+        host_hit_tokens = min(max(0, host_hit_tokens), hit_tokens)
+        self.host_hit_tokens += host_hit_tokens
+        self.device_hit_tokens += hit_tokens - host_hit_tokens
         self.computed_tokens += max(0, prompt - hit_tokens)
         history = 0
         if session is not None and session.context:

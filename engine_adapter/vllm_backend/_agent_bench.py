@@ -8,7 +8,9 @@ rate (cached tokens over the prompt tokens an earlier turn of the program had al
 
 Modes: ``vanilla`` (no ``--scheduler-cls``, FCFS), ``hintflow-infer`` (our scheduler; the client adds only
 ``program_id``, ``tool``, ``is_last_turn``), ``hintflow-orchestrator`` (our scheduler; the ``hintflow``
-policy fed with the client's events pushes hints over gRPC; the client adds only ``program_id``).
+policy fed with the client's events pushes hints over gRPC; the client adds only ``program_id``). Each
+mode with ``+host`` (``vanilla+host``, ...) adds hintflow's host KV tier (``_host_connector``) of
+``--host-capacity-tokens`` (default: every program's longest context, i.e. host memory for all of them).
 
     python -m engine_adapter.vllm_backend._agent_bench --out report.json   # see --help
 """
@@ -96,17 +98,25 @@ def run_mode(
     mode: str, programs: list[AgentProgram], *, model: Path, python: str, state: Path, num_blocks: int,
     max_model_len: int, pin_budget: float, extra_args: list[str], aging_s: float | None = None,
     hint_env: dict[str, str] | None = None, progress: Callable[[int], None] | None = None,
+    host_capacity_tokens: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Start this mode's server, replay the programs, stop it; the mode's summary.
 
-    ``progress(1)`` is called as each program finishes (from the client threads)."""
+    ``progress(1)`` is called as each program finishes (from the client threads). A mode named
+    ``BASE+host`` runs ``BASE`` with hintflow's host KV tier of ``host_capacity_tokens`` tokens."""
+    base_mode, plus, tier = mode.partition("+")
+    if base_mode not in MODES or (plus and tier != "host"):
+        raise ValueError(f"unknown mode {mode!r}: one of {', '.join(MODES)}, each optionally with '+host'")
+    if plus and host_capacity_tokens < 1:
+        raise ValueError(f"mode {mode!r} needs a positive host_capacity_tokens")
     port, hint_port = _free_port(), _free_port()
-    hintflow = mode != "vanilla"
+    hintflow = base_mode != "vanilla"
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
             "--num-gpu-blocks-override", str(num_blocks), *extra_args]  # fmt: skip
     argv, env = build_vllm_command(
         model, port=port, hint_port=hint_port if hintflow else None, pin_budget=pin_budget,
         state_dir=state / mode, python=python, extra_args=args, hintflow=hintflow,
+        host_capacity_tokens=host_capacity_tokens if plus else None,
     )  # fmt: skip
     if hintflow and aging_s is not None:
         env["HINTFLOW_PRIORITY_AGING_S"] = str(aging_s)
@@ -124,9 +134,9 @@ def run_mode(
         wait_healthy(proc, base, log)
         warm = AgentProgram("warmup", 0.0, programs[0].all_sessions[0].turns[:1])
         run_program(base, str(model), warm, time.monotonic(), "plain")
-        if mode == "hintflow-orchestrator":
+        if base_mode == "hintflow-orchestrator":
             pusher = HintPusher(f"127.0.0.1:{hint_port}")
-        client_mode = {"vanilla": "plain", "hintflow-infer": "infer", "hintflow-orchestrator": "plain"}[mode]
+        client_mode = {"vanilla": "plain", "hintflow-infer": "infer", "hintflow-orchestrator": "plain"}[base_mode]
         t0 = time.monotonic() + 0.5
         with ThreadPoolExecutor(max_workers=len(programs)) as pool:
             futs = [pool.submit(run_program, base, str(model), p, t0, client_mode, pusher) for p in programs]
@@ -198,6 +208,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--pool-fraction", type=float, default=1 / 3)
     ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks (default: from --pool-fraction)")
     ap.add_argument("--pin-budget", type=float, default=0.7)
+    ap.add_argument("--host-capacity-tokens", type=int, default=0,
+                    help="host KV tier of modes named MODE+host (default: every program's longest context)")
     ap.add_argument("--aging-s", type=float, default=None, help="HINTFLOW_PRIORITY_AGING_S for hintflow modes")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for the hintflow modes' server (e.g. HINTFLOW_ADMIT_GUARD=0)")
@@ -226,12 +238,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     blocks, live = pool_blocks_for(programs, fraction=a.pool_fraction)
     blocks = a.num_blocks or blocks
     floor = max_len // BLOCK + 1
+    host_tokens = a.host_capacity_tokens or sum(p.max_context for p in programs)
     report: dict[str, Any] = {
         "workload": {"kind": a.workload, "programs": a.programs, "rate": a.rate, "seed": a.seed,
                      "scale": a.scale if a.workload == "swe-agent" else None,
                      "expected_live_programs": live, "max_model_len": max_len},
         "num_gpu_blocks": max(blocks, floor), "pool_blocks_wanted": blocks, "pin_budget": a.pin_budget,
-        "aging_s": a.aging_s, "hint_env": hint_env,
+        "aging_s": a.aging_s, "hint_env": hint_env, "host_capacity_tokens": host_tokens,
         "modes": {},
     }  # fmt: skip
     for mode in a.modes.split(","):
@@ -239,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["modes"][mode] = run_mode(
             mode, programs, model=model, python=a.python, state=state, num_blocks=report["num_gpu_blocks"],
             max_model_len=max_len, pin_budget=a.pin_budget, extra_args=list(a.extra), aging_s=a.aging_s,
-            hint_env=hint_env,
+            hint_env=hint_env, host_capacity_tokens=host_tokens,
         )  # fmt: skip
         print(json.dumps({mode: report["modes"][mode]}), file=sys.stderr)
     report["verdict"] = verdict(report["modes"])

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 else:
     _VllmScheduler = object
 
-__all__ = ["AGING_S", "PIN_BUDGET", "PRIORITY_SCALE", "HintSchedulerMixin"]
+__all__ = ["AGING_S", "HOST_RELOAD_S_PER_TOKEN", "PIN_BUDGET", "PRIORITY_SCALE", "HintSchedulerMixin"]
 
 log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
 
@@ -73,6 +73,10 @@ AGING_S = 3.0
 """Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
 first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
 for 35 s at p99 under overload (README); a few seconds keeps most of FCFS's benefit for returning turns."""
+HOST_RELOAD_S_PER_TOKEN = 2e-6
+"""Default cost of copying one token's KV back from the host tier, for pricing inferred pins when the
+node has one (``HINTFLOW_HOST_RELOAD_S_PER_TOKEN``): an 8B model's 128 KiB per token over ~64 GB/s of
+PCIe 5; a CPU build copies within memory, faster still. Either way a pin rarely pays for itself."""
 PIN_BUDGET = 0.7
 """Default share of the pool pins may hold. 0.5 held ~4 of ~30 live contexts under overload; with the
 admission guard limiting how many programs are in flight, and the yield and deadlock rules returning
@@ -113,16 +117,25 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.model_name = str(self.vllm_config.model_config.served_model_name)
         self._epoch_s = self.book.clock()
         self._wall_epoch_s = time.time()  # requests' arrival_time is wall time
+        # hintflow's host KV tier (_host_connector), when vLLM runs it: the accounting splits its hits, a
+        # program's last turn is not copied to the host (no later turn reads it), pins are priced by the
+        # copy back from the host, and new programs are not held back for device room (what does not fit
+        # waits on the host, not for a re-prefill).
+        self.host_tier: Any = self.connector if hasattr(self.connector, "step_loaded_tokens") else None
+        if self.host_tier is not None:
+            self.host_tier.save_filter = _worth_saving
         self.infer: HintInference | None = None
         if infer_enabled():
             env = os.environ.get
             reload = env("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
+            host_reload = float(env("HINTFLOW_HOST_RELOAD_S_PER_TOKEN", str(HOST_RELOAD_S_PER_TOKEN)))
             self.infer = HintInference(
                 self.book,
                 backlog_tokens=self.prefill_backlog_tokens,
                 defer_s=float(env("HINTFLOW_INFER_DEFER_S", "60")),
                 reload_s_per_token=float(reload) if reload else None,
                 silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
+                host_reload_s_per_token=host_reload if self.host_tier is not None else None,
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self._next_log_s = 0.0
@@ -130,7 +143,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # new programs' first turns cannot starve under overload (inf: strict program FCFS).
         self.aging_s = float(os.environ.get("HINTFLOW_PRIORITY_AGING_S", str(AGING_S)))
         env_ = os.environ.get
-        self.admit_guard = env_("HINTFLOW_ADMIT_GUARD", "1").strip().lower() not in {"0", "false", "no", "off"}
+        guard_default = "0" if self.host_tier is not None else "1"
+        self.admit_guard = env_("HINTFLOW_ADMIT_GUARD", guard_default).strip().lower() not in {"0", "false", "no", "off"}
         self.admit_fraction = float(env_("HINTFLOW_ADMIT_FRACTION", "1.0"))
         default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
         self.admit_max_wait_s = float(env_("HINTFLOW_ADMIT_MAX_WAIT_S", str(default_wait)))
@@ -222,7 +236,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 s = self._req_session.get(new.req_id)
                 req = self.requests.get(new.req_id)
                 if req is not None:  # hits: the prefix lookup, before this step's tokens are added
-                    self.accounting.on_scheduled(req, new.num_computed_tokens, s)
+                    host = self.host_tier.step_loaded_tokens.get(new.req_id, 0) if self.host_tier else 0
+                    self.accounting.on_scheduled(req, new.num_computed_tokens, s, host)
                 if s is not None:
                     self._started.add(s.program_id)
                     kept = bool(s.held)
@@ -305,3 +320,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         for r in [*self.waiting, *self.running]:
             total += max(0, r.num_prompt_tokens - r.num_computed_tokens)
         return total
+
+
+def _worth_saving(request: Any) -> bool:
+    """The host tier's save filter: a turn its client flagged ``is_last_turn`` has no next turn to serve."""
+    extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
+    return not extra.get("is_last_turn")

@@ -66,6 +66,16 @@ class _BacklogTTL(ContinuumTTL):
         return max(super().queue_delay_s, self.floor_s())
 
 
+class _HostReloadTTL(ContinuumTTL):
+    """On a node with a host tier: a pin saves only the copy back from the host, T = 0 (the orchestrator's
+    ``_HostTierTTL`` rule: an unpinned context is copied out, not lost, so there is no re-prefill queue to
+    save it from, and a pin would take device memory from the turns that queue for it)."""
+
+    @property
+    def queue_delay_s(self) -> float:
+        return 0.0
+
+
 def infer_enabled() -> bool:
     """``HINTFLOW_INFER_HINTS`` (default on): 0/false/no/off disables the inference."""
     return os.environ.get("HINTFLOW_INFER_HINTS", "1").strip().lower() not in {"0", "false", "no", "off"}
@@ -111,16 +121,24 @@ class HintInference:
         silent_min_s: float = SILENT_MIN_S,
         clock: Callable[[], float] | None = None,
         backlog_tokens: Callable[[], int] | None = None,
+        host_reload_s_per_token: float | None = None,
     ) -> None:
         """``reload_s_per_token`` fixes the re-prefill cost (a profile, as Continuum's fit) instead of
         measuring it; ``silent_min_s`` is the least silence after which a program is released;
-        ``backlog_tokens()`` (prompt tokens the engine still has to compute) gives T its floor."""
+        ``backlog_tokens()`` (prompt tokens the engine still has to compute) gives T its floor.
+        ``host_reload_s_per_token``: the node has a host tier, and a context not pinned is copied back at
+        this cost per token (pins are priced by it alone, ``_HostReloadTTL``)."""
         self.book = book
         self.clock = clock or book.clock
         self.defer_s = defer_s
         self.pauses = PauseModel(min_samples=min_samples, default_mean_s=default_pause_s)
         self.backlog_tokens = backlog_tokens
-        self.rule = _BacklogTTL(self.pauses, self.prefill_reload_s, floor_s=self.backlog_s)
+        self.rule: ContinuumTTL
+        if host_reload_s_per_token is not None:
+            host_s = host_reload_s_per_token
+            self.rule = _HostReloadTTL(self.pauses, lambda tokens: host_s * tokens)
+        else:
+            self.rule = _BacklogTTL(self.pauses, self.prefill_reload_s, floor_s=self.backlog_s)
         self.programs: dict[str, _Program] = {}
         self.explicit_s: dict[str, float] = {}  # session id -> when it last got a hint over PushHints
         self.s_per_token = reload_s_per_token or 1e-4  # re-prefill cost, refined from this engine's steps

@@ -15,9 +15,10 @@ No ``prometheus_client`` metric objects are created here on purpose: with ``PROM
 set (vLLM sets it for several API servers) those would write into vLLM's multiprocess directory and show
 up a second time on vLLM's own ``/metrics``.
 
-What has no meaning here, or no source without a scheduler hook (see the README): the host tier
-(``hintflow_kv_host_*``, offload/reload/prefetch counters, and ``host_hit`` prompt tokens, always 0: no
-host tier on this backend), ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_sidecar``
+The host tier (``hintflow_kv_host_*``, ``hintflow_offloaded_blocks_total`` (here: copied to the host at a
+turn's end), ``hintflow_reloaded_blocks_total``, ``host_hit`` prompt tokens) is read from hintflow's host
+KV connector (``_host_connector``) when the server runs one, and is absent otherwise. What has no
+source without a scheduler hook (see the README): ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_sidecar``
 counts it from ``BlockRemoved``), ``hintflow_preemptions_total`` (``vllm:num_preemptions_total``) and
 the step duration.
 """
@@ -116,6 +117,12 @@ class SchedulerCollector(Collector):
             inf = getattr(sched, "infer", None)
             admit: dict[str, int] = dict(getattr(sched, "admit_stats", {}))
             acct: RequestAccounting = sched.accounting.snapshot()
+            tier = getattr(sched, "host_tier", None)
+            host = None
+            if tier is not None:
+                idx = tier.index
+                host = (idx.num_slots, idx.num_slots - idx.num_used_slots, idx.stats.num_saved_blocks,
+                        idx.stats.num_loaded_blocks)  # fmt: skip
             gauges = (
                 book.num_pinned_blocks,
                 sched.prefill_backlog_tokens(),
@@ -138,6 +145,8 @@ class SchedulerCollector(Collector):
             )
         yield from self._families(sched.model_name, gauges + counters, admit)
         yield from _request_families(sched.model_name, acct)
+        if host is not None:
+            yield from _host_families(sched.model_name, host)
 
     def _families(
         self, model: str, values: tuple[int, ...] | None, admitted: dict[str, int] | None
@@ -200,7 +209,7 @@ def _request_families(model: str, acct: RequestAccounting | None) -> Iterator[Me
         "hintflow_queue_wait_seconds", "Arrival to first scheduled step.", labels=["model_name"]
     )
     if acct is not None:
-        sources = {"device_hit": acct.device_hit_tokens, "host_hit": 0, "computed": acct.computed_tokens}
+        sources = {"device_hit": acct.device_hit_tokens, "host_hit": acct.host_hit_tokens, "computed": acct.computed_tokens}
         for source, n in sources.items():
             prompt.add_metric([model, source], float(n))
         values = (
@@ -217,6 +226,22 @@ def _request_families(model: str, acct: RequestAccounting | None) -> Iterator[Me
     yield from counters
     yield ttft
     yield wait
+
+
+_HOST = (
+    (GaugeMetricFamily, "hintflow_kv_host_total_blocks", "Host-tier KV blocks."),
+    (GaugeMetricFamily, "hintflow_kv_host_free_blocks", "Free host-tier KV blocks."),
+    (CounterMetricFamily, "hintflow_offloaded_blocks_total", "Device KV blocks copied to the host tier."),
+    (CounterMetricFamily, "hintflow_reloaded_blocks_total", "Host KV blocks copied back to the device for a prompt."),
+)
+
+
+def _host_families(model: str, values: tuple[int, int, int, int]) -> Iterator[Metric]:
+    """The host tier's series, as the embedded engine names them (only where a host tier runs)."""
+    for (kind, name, doc), value in zip(_HOST, values, strict=True):
+        fam = kind(name, doc, labels=["model_name"])
+        fam.add_metric([model], float(value))
+        yield fam
 
 
 @dataclass

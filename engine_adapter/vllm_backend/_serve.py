@@ -15,6 +15,7 @@ as given whatever ``async_scheduling`` says, so the class must match the mode (`
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._compat import check_vllm_python
+from ._host_index import host_tier_config
 
 __all__ = [
     "ASYNC_SCHEDULER_CLS",
@@ -105,6 +107,7 @@ def build_vllm_command(
     extra_args: Sequence[str] = (),
     hintflow: bool = True,
     infer_hints: bool | None = None,
+    host_capacity_tokens: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that serve ``model_dir``; ``hintflow=False`` gives stock vLLM (a baseline).
 
@@ -112,7 +115,8 @@ def build_vllm_command(
     None or -1: none) serves the ``hintflow_*`` metrics from the engine-core process; they start with the
     hint service (the scheduler starts nothing else), so without a ``hint_port`` the hint service takes
     a free loopback port. ``infer_hints`` None keeps the scheduler's default (on). ``state_dir`` receives
-    vLLM's caches, sockets and temporary files.
+    vLLM's caches, sockets and temporary files. ``host_capacity_tokens`` (positive) adds hintflow's host
+    KV tier (``_host_connector``) through ``--kv-transfer-config``, with or without hintflow's scheduler.
     """
     extra = list(extra_args)
     state = Path(state_dir).resolve()
@@ -136,6 +140,10 @@ def build_vllm_command(
     argv += ["--host", host, "--port", str(port), "--enable-prompt-tokens-details"]
     if not _has_flag(extra, "--gpu-memory-utilization"):
         argv += ["--gpu-memory-utilization", "0.1"]
+    if host_capacity_tokens:
+        if _has_flag(extra, "--kv-transfer-config"):
+            raise ValueError("a host tier and --kv-transfer-config both configure vLLM's KV connector: pass one")
+        argv += ["--kv-transfer-config", json.dumps(host_tier_config(host_capacity_tokens))]
     if hintflow:
         if not _has_flag(extra, "--scheduler-cls"):
             argv += ["--scheduler-cls", scheduler_cls_for(extra)]

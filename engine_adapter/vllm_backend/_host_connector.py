@@ -1,0 +1,213 @@
+"""A host KV tier for vLLM, through vLLM's KV-connector extension point (``--kv-transfer-config``).
+
+Why: with a device pool that holds a third of the live agent contexts, at most a third of the tool
+pauses can be bridged by keeping a context on the device; every other turn re-prefills its whole
+history. A host tier turns those re-prefills into copies. vLLM's own CPU offloading connector needs
+CUDA streams, so on a CPU build there is none; this one works on any device (on a GPU the copies are
+device<->host ``index_copy_`` calls, synchronous, ordered with compute on the default stream).
+
+How (write-through at turn end, load on admission)::
+
+    turn ends ── request_finished ─► full blocks not yet on the host get a slot (HostIndex, LRU);
+                                      vLLM keeps the request's blocks until the copy is done
+    next step ── build_connector_meta ─► HostTierMetadata(saves=[(device, slot)], loads=[(slot, device)])
+              ── worker start_load_kv ─► saves first (a freed block may be the target of a load), then
+                                          loads; the saved requests are reported finished-sending and
+                                          vLLM frees (or hintflow's scheduler pins) their blocks
+    new turn ── get_num_new_matched_tokens ─► the run of its next blocks the host holds, as external
+                                               hit tokens (vLLM allocates device blocks for them) and
+                update_state_after_alloc pairs those slots with the allocated device blocks
+
+Enable it with ``--kv-transfer-config '{"kv_connector": "HintflowHostTier", "kv_connector_module_path":
+"engine_adapter.vllm_backend._host_connector", "kv_role": "kv_both", "kv_connector_extra_config":
+{"host_capacity_tokens": N}}'`` (``hintflow engine serve --backend vllm --host-capacity-tokens N`` writes
+it). It works under vLLM's own scheduler (LRU write-through, no hints) and under hintflow's, which tells
+it which turns are a program's last (nothing to save) and which programs were released (``forget``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ._host_index import CONNECTOR_MODULE, HostIndex, host_tier_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+__all__ = ["CONNECTOR_MODULE", "HintflowHostTier", "HostTierMetadata", "host_tier_config"]
+
+log = logging.getLogger("hintflow.vllm.host_tier")
+
+@dataclass
+class HostTierMetadata(KVConnectorMetadata):
+    """One step's copies, in the order the worker runs them: saves, then loads."""
+
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    saved_req_ids: list[str] = field(default_factory=list)
+
+
+class HintflowHostTier(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        capacity = extra.get("host_capacity_tokens")
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(
+                "HintflowHostTier needs kv_connector_extra_config.host_capacity_tokens, a positive integer;"
+                f" got {capacity!r}"
+            )
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.num_slots = max(1, capacity // self.block_size)
+        # scheduler side
+        self.index = HostIndex(self.num_slots)
+        self._matched: dict[str, tuple[int, list[int]]] = {}  # req id -> (first block, slots)
+        self._saves: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self._load_locks: list[int] = []
+        self._saving_req_ids: list[str] = []
+        self._in_flight_req_ids: set[str] = set()
+        self.num_loaded_tokens = 0
+        self._loaded_now: dict[str, int] = {}
+        self.step_loaded_tokens: dict[str, int] = {}  # request id -> tokens loaded, for the last built step
+        self.save_filter: Callable[[Request], bool] | None = None  # set by hintflow's scheduler
+        # worker side
+        self._host: dict[str, torch.Tensor] = {}
+        self._device: dict[str, torch.Tensor] = {}
+        self._block_dim: dict[str, int] = {}
+        self._finished_saving: set[str] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            log.info("hintflow host tier: %d slots of %d tokens", self.num_slots, self.block_size)
+
+    # ---- scheduler side --------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        start = num_computed_tokens // self.block_size
+        # the last prompt token is always computed (its logits start the output)
+        max_blocks = (request.num_tokens - 1) // self.block_size - start
+        slots = self.index.match(request.block_hashes, start, max_blocks)
+        if not slots:
+            self._matched.pop(request.request_id, None)
+            return 0, False
+        self._matched[request.request_id] = (start, slots)
+        return len(slots) * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        matched = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or matched is None:
+            return
+        start, slots = matched
+        slots = slots[: num_external_tokens // self.block_size]
+        device_ids = blocks.get_block_ids()[0][start : start + len(slots)]
+        if len(device_ids) != len(slots):
+            raise RuntimeError(
+                f"host tier: request {request.request_id} got {len(device_ids)} device blocks for"
+                f" {len(slots)} host blocks"
+            )
+        self.index.lock(slots)
+        self._load_locks.extend(slots)
+        self._loads.extend(zip(slots, device_ids, strict=True))
+        self.index.stats.num_loaded_blocks += len(slots)
+        self.num_loaded_tokens += len(slots) * self.block_size
+        self._loaded_now[request.request_id] = len(slots) * self.block_size
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.save_filter is not None and not self.save_filter(request):
+            return False, None
+        num_full = min(len(request.block_hashes), request.num_computed_tokens // self.block_size, len(block_ids))
+        saves: list[tuple[int, int]] = []
+        for i in range(num_full):
+            h = request.block_hashes[i]
+            if h in self.index:
+                self.index.touch(h)
+                continue
+            slot = self.index.reserve(h)
+            if slot is None:  # every slot is being read this step: skip the rest of this turn
+                break
+            saves.append((block_ids[i], slot))
+        if not saves:
+            return False, None
+        self._saves.extend(saves)
+        self._saving_req_ids.append(request.request_id)
+        self._in_flight_req_ids.add(request.request_id)
+        return True, None  # vLLM keeps the blocks until the worker reports the copy done
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = HostTierMetadata(saves=self._saves, loads=self._loads, saved_req_ids=self._saving_req_ids)
+        # a later step's saves run after this step's loads, so the slots can be reused from now on
+        self.index.unlock(self._load_locks)
+        self._saves, self._loads, self._saving_req_ids, self._load_locks = [], [], [], []
+        self.step_loaded_tokens, self._loaded_now = self._loaded_now, {}
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._in_flight_req_ids.discard(req_id)
+
+    def has_pending_block_frees(self) -> bool:
+        # blocks held for a copy come back next step: wait for them rather than preempt
+        return bool(self._in_flight_req_ids)
+
+    def forget_hashes(self, block_hashes: list[Any]) -> int:
+        return self.index.forget(block_hashes)
+
+    # ---- worker side -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        for name, kv in kv_caches.items():
+            dims = [d for d, n in enumerate(kv.shape) if n == num_blocks]
+            if len(dims) != 1:
+                raise RuntimeError(
+                    f"host tier: cannot tell the block dimension of layer {name}'s KV cache, shape"
+                    f" {tuple(kv.shape)}, {num_blocks} blocks"
+                )
+            dim = dims[0]
+            shape = list(kv.shape)
+            shape[dim] = self.num_slots
+            pin = kv.device.type == "cuda"
+            self._host[name] = torch.empty(shape, dtype=kv.dtype, device="cpu", pin_memory=pin)
+            self._device[name] = kv
+            self._block_dim[name] = dim
+        nbytes = sum(t.numel() * t.element_size() for t in self._host.values())
+        log.info("hintflow host tier: %d layers, %.1f MiB of host buffer", len(self._host), nbytes / 2**20)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HostTierMetadata)
+        if meta.saves:
+            dev, host = (torch.tensor(c, dtype=torch.long) for c in zip(*meta.saves, strict=True))
+            for name, kv in self._device.items():
+                dim = self._block_dim[name]
+                self._host[name].index_copy_(dim, host, kv.index_select(dim, dev.to(kv.device)).cpu())
+        if meta.loads:
+            host, dev = (torch.tensor(c, dtype=torch.long) for c in zip(*meta.loads, strict=True))
+            for name, kv in self._device.items():
+                dim = self._block_dim[name]
+                kv.index_copy_(dim, dev.to(kv.device), self._host[name].index_select(dim, host).to(kv.device))
+        self._finished_saving.update(meta.saved_req_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._finished_saving = self._finished_saving, set()
+        return (done or None), None

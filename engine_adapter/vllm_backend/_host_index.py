@@ -1,0 +1,152 @@
+"""The host tier's book on the scheduler side: which prefix blocks sit in which host slot.
+
+The vLLM host-tier connector (``_host_connector``) keeps a copy of finished turns' KV blocks in a
+preallocated host buffer of ``num_slots`` blocks. Every decision about that buffer is made here, in
+the scheduler process, and shipped to the worker as plain (device block, host slot) pairs, so the
+worker never has to know a hash::
+
+    block hash ──► slot ──► host buffer[:, slot]      (one row per layer on the worker)
+    LRU order: least recently saved or loaded first; a slot a load of this step reads is locked
+
+``reserve`` hands out a free slot or evicts the least recently used unlocked one; ``match`` finds the
+run of consecutive blocks of a prompt that the host holds; ``lock``/``unlock`` keep a slot that a
+planned load still has to read from being overwritten by a save planned in the same step. ``forget``
+drops the blocks of a released program first, so they never push out a session that will resume.
+
+No vLLM import: the book is tested on its own, and ``_serve`` builds the connector's config from here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CONNECTOR_MODULE", "HostIndex", "HostIndexStats", "host_tier_config"]
+
+CONNECTOR_MODULE = "engine_adapter.vllm_backend._host_connector"
+
+
+def host_tier_config(host_capacity_tokens: int) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` value that enables this connector with a host buffer of N tokens."""
+    if host_capacity_tokens < 1:
+        raise ValueError(f"host_capacity_tokens must be positive, got {host_capacity_tokens}")
+    return {
+        "kv_connector": "HintflowHostTier",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_capacity_tokens": int(host_capacity_tokens)},
+    }
+
+
+@dataclass
+class HostIndexStats:
+    num_saved_blocks: int = 0
+    num_loaded_blocks: int = 0
+    num_evicted_blocks: int = 0
+    num_forgotten_blocks: int = 0
+    num_save_skipped_full: int = 0  # a save found every slot locked
+
+
+class HostIndex:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"host tier needs at least one block slot, got num_slots={num_slots}")
+        self.num_slots = num_slots
+        self._slot_of: OrderedDict[Hashable, int] = OrderedDict()  # LRU first
+        self._hash_of: dict[int, Hashable] = {}
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._locks: dict[int, int] = {}
+        self.stats = HostIndexStats()
+
+    # ---- queries ------------------------------------------------------------------------------------
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, block_hash: Hashable) -> bool:
+        return block_hash in self._slot_of
+
+    def slot_of(self, block_hash: Hashable) -> int | None:
+        return self._slot_of.get(block_hash)
+
+    def match(self, block_hashes: Sequence[Hashable], start: int, max_blocks: int) -> list[int]:
+        """Slots of the consecutive blocks ``block_hashes[start:]`` the host holds (at most ``max_blocks``)."""
+        slots: list[int] = []
+        for h in block_hashes[start : start + max(0, max_blocks)]:
+            slot = self._slot_of.get(h)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    # ---- mutations ----------------------------------------------------------------------------------
+    def touch(self, block_hash: Hashable) -> None:
+        if block_hash in self._slot_of:
+            self._slot_of.move_to_end(block_hash)
+
+    def lock(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            self._locks[slot] = self._locks.get(slot, 0) + 1
+            h = self._hash_of.get(slot)
+            if h is not None:
+                self._slot_of.move_to_end(h)
+
+    def unlock(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            n = self._locks.get(slot, 0) - 1
+            if n < 0:
+                raise RuntimeError(f"host slot {slot} unlocked more often than locked")
+            if n:
+                self._locks[slot] = n
+            else:
+                del self._locks[slot]
+
+    def reserve(self, block_hash: Hashable) -> int | None:
+        """A slot for ``block_hash`` (the caller copies the block into it), or None if all are locked.
+
+        A hash the host already holds keeps its slot (no copy is needed: the caller checks ``in``
+        first). Evicts the least recently used unlocked block when no slot is free.
+        """
+        if block_hash in self._slot_of:
+            raise ValueError("block is already in the host tier; touch it instead of saving it again")
+        slot = self._free.pop() if self._free else self._evict_one()
+        if slot is None:
+            self.stats.num_save_skipped_full += 1
+            return None
+        self._slot_of[block_hash] = slot
+        self._hash_of[slot] = block_hash
+        self.stats.num_saved_blocks += 1
+        return slot
+
+    def forget(self, block_hashes: Iterable[Hashable]) -> int:
+        """Drop these blocks (a released program's): their slots are free at once unless a load reads them."""
+        n = 0
+        for h in block_hashes:
+            slot = self._slot_of.get(h)
+            if slot is None or slot in self._locks:
+                continue
+            del self._slot_of[h]
+            del self._hash_of[slot]
+            self._free.append(slot)
+            n += 1
+        self.stats.num_forgotten_blocks += n
+        return n
+
+    def _evict_one(self) -> int | None:
+        for h, slot in self._slot_of.items():
+            if slot not in self._locks:
+                del self._slot_of[h]
+                del self._hash_of[slot]
+                self.stats.num_evicted_blocks += 1
+                return slot
+        return None
+
+    def check(self) -> None:
+        """Invariants (tests): every slot is free xor held by exactly one hash."""
+        held = set(self._slot_of.values())
+        assert len(held) == len(self._slot_of), "two hashes share a slot"
+        assert not held & set(self._free), "a held slot is also free"
+        assert len(held) + len(self._free) == self.num_slots, "a slot was lost"
+        assert all(self._hash_of[s] == h for h, s in self._slot_of.items())

@@ -1,0 +1,89 @@
+"""The vLLM host tier's book (no vLLM needed): slots, LRU eviction, locks, forget, and its config."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_adapter.vllm_backend._host_index import CONNECTOR_MODULE, HostIndex, host_tier_config
+
+
+def test_reserve_match_and_lru_eviction() -> None:
+    idx = HostIndex(3)
+    slots = [idx.reserve(h) for h in ("a", "b", "c")]
+    assert sorted(s for s in slots if s is not None) == [0, 1, 2]
+    assert idx.match(["a", "b", "c", "d"], 0, 10) == slots
+    assert idx.match(["a", "x", "c"], 0, 10) == slots[:1]  # a run stops at the first miss
+    assert idx.match(["a", "b", "c"], 1, 1) == slots[1:2]  # from a start, at most max_blocks
+    idx.touch("a")  # b is now the least recently used
+    d = idx.reserve("d")
+    assert d == slots[1] and "b" not in idx and "a" in idx
+    assert idx.stats.num_evicted_blocks == 1 and idx.stats.num_saved_blocks == 4
+    idx.check()
+
+
+def test_locked_slots_are_not_evicted_and_a_full_locked_book_refuses() -> None:
+    idx = HostIndex(2)
+    a, b = idx.reserve("a"), idx.reserve("b")
+    assert a is not None and b is not None
+    idx.lock([a])
+    assert idx.reserve("c") == b  # "a" is older but locked: "b" goes
+    idx.lock([b])
+    assert idx.reserve("d") is None and idx.stats.num_save_skipped_full == 1
+    idx.unlock([a, b])
+    assert idx.reserve("d") == a
+    with pytest.raises(RuntimeError, match="unlocked more often"):
+        idx.unlock([a])
+    idx.check()
+
+
+def test_forget_frees_slots_but_not_locked_ones() -> None:
+    idx = HostIndex(4)
+    for h in "abcd":
+        idx.reserve(h)
+    slot_c = idx.slot_of("c")
+    assert slot_c is not None
+    idx.lock([slot_c])
+    assert idx.forget(["a", "c", "zz"]) == 1
+    assert "a" not in idx and "c" in idx
+    assert idx.reserve("e") is not None and idx.stats.num_evicted_blocks == 0  # the forgotten slot was free
+    idx.check()
+
+
+def test_saving_a_held_block_again_is_an_error() -> None:
+    idx = HostIndex(2)
+    idx.reserve("a")
+    with pytest.raises(ValueError, match="already in the host tier"):
+        idx.reserve("a")
+    with pytest.raises(ValueError, match="at least one block slot"):
+        HostIndex(0)
+
+
+def test_random_operations_keep_every_slot_accounted_for() -> None:
+    rng = random.Random(7)
+    idx = HostIndex(16)
+    locked: list[int] = []
+    for _ in range(3000):
+        op = rng.random()
+        h = rng.randrange(40)
+        if op < 0.5:
+            if h not in idx:
+                idx.reserve(h)
+        elif op < 0.65:
+            idx.forget([h])
+        elif op < 0.8 and (slot := idx.slot_of(h)) is not None:
+            idx.lock([slot])
+            locked.append(slot)
+        elif locked:
+            idx.unlock([locked.pop(rng.randrange(len(locked)))])
+        idx.check()
+        assert idx.num_used_slots <= 16
+
+
+def test_host_tier_config_names_the_connector() -> None:
+    cfg = host_tier_config(4096)
+    assert cfg["kv_connector_module_path"] == CONNECTOR_MODULE
+    assert cfg["kv_connector_extra_config"] == {"host_capacity_tokens": 4096}
+    with pytest.raises(ValueError, match="host_capacity_tokens must be positive"):
+        host_tier_config(0)

@@ -1,0 +1,165 @@
+"""hintflow's host KV tier for vLLM (``_host_connector``), against the installed vLLM, in-process.
+
+The run happens in the vLLM venv's Python (``python -m tests.test_vllm_host_tier MODEL STATE SCHEDULER``:
+one JSON report, one process per scheduler: vLLM's KV-connector group is a process global), with vLLM's
+engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the scheduler and the
+connector can be read directly; skipped, saying why, where no Python has vLLM. Under vLLM's own
+scheduler and under hintflow's, with a 24-block pool:
+
+- a 1,500-token prompt A, three unrelated prompts that flood A out of the device pool, then A again:
+  the second A must find its full blocks on the host (external hits) and produce the same log-probs
+  as the first (the KV it loaded is the KV it computed);
+- the control: flooded out again, with the host copy overwritten by zeros, A's log-probs must differ
+  (so the comparison above can fail);
+- hintflow's scheduler skips saving a turn flagged ``is_last_turn`` and counts host hits as
+  ``host_hit`` tokens; every device block is free again at the end (none lost to a delayed free).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from engine_adapter.vllm_backend._serve import REPO, SCHEDULER_CLS
+
+NUM_BLOCKS = 24
+HOST_TOKENS = 20_000
+
+
+def _prompt(seed: int, n: int = 1500) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 500) for _ in range(n)]
+
+
+# ---- in the vLLM venv -----------------------------------------------------------------------------------
+
+
+def _run(model: str, scheduler_cls: str | None) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
+    from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
+
+    kw: dict[str, Any] = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
+    from engine_adapter.vllm_backend._host_index import host_tier_config
+
+    llm = LLM(
+        model=model, enforce_eager=True, num_gpu_blocks_override=NUM_BLOCKS, max_model_len=2048,
+        dtype="float32", kv_transfer_config=host_tier_config(HOST_TOKENS), **kw,
+    )  # fmt: skip
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+    tier = sched.connector
+    worker_tier = _worker_connector(core)
+
+    def run(p: list[int], **extra: Any) -> dict[str, Any]:
+        sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, extra_args=extra or None)
+        o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
+        lps = [max(d.values(), key=lambda x: x.logprob).logprob for d in o.outputs[0].logprobs]
+        return {"logprobs": lps, "cached": o.num_cached_tokens}
+
+    a = _prompt(1)
+    out: dict[str, Any] = {"first": run(a)}
+    for seed in (2, 3, 4):
+        run(_prompt(seed))
+    out["again"] = run(a)
+    for seed in (5, 6, 7):
+        run(_prompt(seed))
+    for t in worker_tier._host.values():
+        t.zero_()
+    out["corrupted"] = run(a)
+    saved = tier.index.stats.num_saved_blocks
+    run(_prompt(8), is_last_turn=True)
+    out["saved_by_last_turn"] = tier.index.stats.num_saved_blocks - saved
+    out["stats"] = vars(tier.index.stats)
+    out["host_hit_tokens"] = getattr(getattr(sched, "accounting", None), "host_hit_tokens", None)
+    # A save holds its request's blocks until the next step copies them; vLLM keeps stepping while it
+    # does (a server's busy loop; offline, generate() has already returned, so step here).
+    out["saves_after_generate"] = len(tier._in_flight_req_ids)
+    out["engine_keeps_stepping"] = bool(sched.has_requests())
+    for _ in range(4):
+        if not sched.has_requests():
+            break
+        core.step()
+    pool = sched.kv_cache_manager.block_pool
+    out["free_blocks"], out["usable_blocks"] = pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
+    out["in_flight_saves"] = len(tier._in_flight_req_ids)
+    return out
+
+
+def _worker_connector(core: Any) -> Any:
+    """The worker-side connector (same process: vLLM's uniproc executor)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group  # type: ignore[import-not-found]
+
+    return get_kv_transfer_group()
+
+
+def _report(model: str, state: str, scheduler: str) -> dict[str, Any]:
+    for var, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                     ("VLLM_RPC_BASE_PATH", "rpc")):  # fmt: skip
+        os.makedirs(os.path.join(state, sub), exist_ok=True)
+        os.environ[var] = os.path.join(state, sub)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["HINTFLOW_INFER_HINTS"] = "0"  # no program ids here: nothing to infer
+    return _run(model, SCHEDULER_CLS if scheduler == "hintflow" else None)
+
+
+# ---- the tests --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.vllm_support import tiny_model, vllm_python_or_skip
+
+    python = vllm_python_or_skip()
+    model = tiny_model(tmp_path_factory, python)
+    state = tmp_path_factory.mktemp("host-tier-state")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    out: dict[str, Any] = {}
+    for scheduler in ("stock", "hintflow"):  # about 15 s each: one in-process engine
+        r = subprocess.run(
+            [python, "-m", "tests.test_vllm_host_tier", str(model), str(state), scheduler],
+            capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        out[scheduler] = json.loads(r.stdout.strip().splitlines()[-1])  # vLLM logs to stdout before it
+    return out
+
+
+@pytest.mark.parametrize("scheduler", ["stock", "hintflow"])
+def test_a_flooded_prefix_comes_back_from_the_host_with_the_same_kv(report: dict[str, Any], scheduler: str) -> None:
+    r = report[scheduler]
+    assert r["first"]["cached"] == 0
+    assert r["again"]["cached"] >= 1280, r  # 10+ full blocks of 128 found (on the host: the pool was flooded)
+    assert r["stats"]["num_loaded_blocks"] >= 10
+    assert r["again"]["logprobs"] == pytest.approx(r["first"]["logprobs"], abs=1e-3)
+
+
+@pytest.mark.parametrize("scheduler", ["stock", "hintflow"])
+def test_the_comparison_can_fail_a_zeroed_host_copy_changes_the_output(report: dict[str, Any], scheduler: str) -> None:
+    r = report[scheduler]
+    assert r["corrupted"]["cached"] >= 1280  # it did load (zeros) from the host
+    assert r["corrupted"]["logprobs"] != pytest.approx(r["first"]["logprobs"], abs=1e-3)
+
+
+@pytest.mark.parametrize("scheduler", ["stock", "hintflow"])
+def test_no_device_block_is_left_held_by_a_save(report: dict[str, Any], scheduler: str) -> None:
+    r = report[scheduler]
+    if r["saves_after_generate"]:
+        assert r["engine_keeps_stepping"]  # the engine does not go idle with blocks held for a copy
+    assert r["in_flight_saves"] == 0
+    assert r["free_blocks"] == r["usable_blocks"], r
+
+
+def test_hintflow_skips_saving_a_last_turn_and_counts_host_hits(report: dict[str, Any]) -> None:
+    assert report["hintflow"]["saved_by_last_turn"] == 0
+    assert report["stock"]["saved_by_last_turn"] > 0  # vLLM's scheduler knows no last turn: it saves
+    assert report["hintflow"]["host_hit_tokens"] >= 2 * 1280  # "again" and "corrupted"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_report(sys.argv[1], sys.argv[2], sys.argv[3])))
