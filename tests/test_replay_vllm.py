@@ -216,7 +216,7 @@ def test_one_session_program_is_sent_as_before(fake_vllm: _FakeVllm) -> None:
 # ---- usage errors --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("args", "expected"), [
     (["--backend", "vllm", "--executor", "torch"], "--executor torch"),
-    (["--backend", "vllm", "--policy", "vanilla,vllm-default"], "vanilla, hintflow-infer, hintflow-orchestrator"),
+    (["--backend", "vllm", "--policy", "vanilla,vllm-default"], "vanilla, hintflow-infer, hintflow-infer-pid, hintflow-orchestrator"),
     (["--backend", "vllm", "--nodes", "2"], "--nodes"),
     (["--backend", "vllm", "--policy", "vanilla+disk"], "each optionally with +host"),
     (["--backend", "vllm", "--cost-model", "cpu-tiny", "--plots", "d"], "--cost-model, --plots"),

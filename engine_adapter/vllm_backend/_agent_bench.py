@@ -7,7 +7,8 @@ completion time (arrival to last token of the last turn), time to first token, a
 rate (cached tokens over the prompt tokens an earlier turn of the program had already sent).
 
 Modes: ``vanilla`` (no ``--scheduler-cls``, FCFS), ``hintflow-infer`` (our scheduler; the client adds only
-``program_id``, ``tool``, ``is_last_turn``), ``hintflow-orchestrator`` (our scheduler; the ``hintflow``
+``program_id``, ``tool``, ``is_last_turn``), ``hintflow-infer-pid`` (the same scheduler; the client adds
+``program_id`` alone, issue 5's plain OpenAI client), ``hintflow-orchestrator`` (our scheduler; the ``hintflow``
 policy fed with the client's events pushes hints over gRPC; the client adds only ``program_id``). Each
 mode with ``+host`` (``vanilla+host``, ...) adds hintflow's host KV tier (``_host_connector``) of
 ``--host-capacity-tokens`` (default: every program's longest context, i.e. host memory for all of them).
@@ -44,7 +45,7 @@ from ._serve import REPO, build_vllm_command, start_vllm, stop_vllm, wait_health
 
 __all__ = ["MODES", "ensure_model", "main", "max_model_len_for", "run_mode", "summarize", "verdict"]
 
-MODES = ("vanilla", "hintflow-infer", "hintflow-orchestrator")
+MODES = ("vanilla", "hintflow-infer", "hintflow-infer-pid", "hintflow-orchestrator")
 
 _IPC_PATH_MAX = 107
 """A Unix socket's path at most (``sockaddr_un.sun_path``): a deeper state dir gets its sockets in a short
@@ -136,7 +137,8 @@ def run_mode(
         run_program(base, str(model), warm, time.monotonic(), "plain")
         if base_mode == "hintflow-orchestrator":
             pusher = HintPusher(f"127.0.0.1:{hint_port}")
-        client_mode = {"vanilla": "plain", "hintflow-infer": "infer", "hintflow-orchestrator": "plain"}[base_mode]
+        client_mode = {"vanilla": "plain", "hintflow-infer": "infer", "hintflow-infer-pid": "plain",
+                       "hintflow-orchestrator": "plain"}[base_mode]
         t0 = time.monotonic() + 0.5
         with ThreadPoolExecutor(max_workers=len(programs)) as pool:
             futs = [pool.submit(run_program, base, str(model), p, t0, client_mode, pusher) for p in programs]
