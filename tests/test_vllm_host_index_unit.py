@@ -38,16 +38,18 @@ def test_locked_slots_are_not_evicted_and_a_full_locked_book_refuses() -> None:
     idx.check()
 
 
-def test_forget_frees_slots_but_not_locked_ones() -> None:
-    idx = HostIndex(4)
-    for h in "abcd":
+def test_demoted_blocks_are_evicted_first() -> None:
+    idx = HostIndex(3)
+    for h in "abc":
         idx.reserve(h)
-    slot_c = idx.slot_of("c")
-    assert slot_c is not None
-    idx.lock([slot_c])
-    assert idx.forget(["a", "c", "zz"]) == 1
-    assert "a" not in idx and "c" in idx
-    assert idx.reserve("e") is not None and idx.stats.num_evicted_blocks == 0  # the forgotten slot was free
+    assert idx.demote(["c", "zz"]) == 1  # "c" was the most recently saved
+    idx.reserve("d")
+    assert "c" not in idx and {"a", "b", "d"} <= {h for h in "abd" if h in idx}
+    idx.demote(["a"])
+    idx.touch("a")  # another session reads it again: back to the end of the line
+    idx.reserve("e")
+    assert "a" in idx and "b" not in idx
+    assert idx.stats.num_demoted_blocks == 2
     idx.check()
 
 
@@ -71,7 +73,7 @@ def test_random_operations_keep_every_slot_accounted_for() -> None:
             if h not in idx:
                 idx.reserve(h)
         elif op < 0.65:
-            idx.forget([h])
+            idx.demote([h])
         elif op < 0.8 and (slot := idx.slot_of(h)) is not None:
             idx.lock([slot])
             locked.append(slot)

@@ -11,8 +11,9 @@ scheduler and under hintflow's, with a 24-block pool:
   as the first (the KV it loaded is the KV it computed);
 - the control: flooded out again, with the host copy overwritten by zeros, A's log-probs must differ
   (so the comparison above can fail);
-- hintflow's scheduler skips saving a turn flagged ``is_last_turn`` and counts host hits as
-  ``host_hit`` tokens; every device block is free again at the end (none lost to a delayed free).
+- hintflow's scheduler skips saving a turn flagged ``is_last_turn``, puts the released program's host
+  blocks first in line for eviction, and counts host hits as ``host_hit`` tokens; every device block is
+  free again at the end (none lost to a delayed free).
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def _run(model: str, scheduler_cls: str | None) -> dict[str, Any]:
         return {"logprobs": lps, "cached": o.num_cached_tokens}
 
     a = _prompt(1)
-    out: dict[str, Any] = {"first": run(a)}
+    out: dict[str, Any] = {"first": run(a, program_id="pa")}
     for seed in (2, 3, 4):
         run(_prompt(seed))
-    out["again"] = run(a)
+    out["again"] = run(a, program_id="pa", is_last_turn=True)  # under hintflow: releases program pa
     for seed in (5, 6, 7):
         run(_prompt(seed))
     for t in worker_tier._host.values():
@@ -104,7 +105,6 @@ def _report(model: str, state: str, scheduler: str) -> dict[str, Any]:
         os.makedirs(os.path.join(state, sub), exist_ok=True)
         os.environ[var] = os.path.join(state, sub)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["HINTFLOW_INFER_HINTS"] = "0"  # no program ids here: nothing to infer
     return _run(model, SCHEDULER_CLS if scheduler == "hintflow" else None)
 
 
@@ -157,6 +157,8 @@ def test_no_device_block_is_left_held_by_a_save(report: dict[str, Any], schedule
 
 def test_hintflow_skips_saving_a_last_turn_and_counts_host_hits(report: dict[str, Any]) -> None:
     assert report["hintflow"]["saved_by_last_turn"] == 0
+    assert report["hintflow"]["stats"]["num_demoted_blocks"] >= 11  # program pa's blocks, at its release
+    assert report["stock"]["stats"]["num_demoted_blocks"] == 0
     assert report["stock"]["saved_by_last_turn"] > 0  # vLLM's scheduler knows no last turn: it saves
     assert report["hintflow"]["host_hit_tokens"] >= 2 * 1280  # "again" and "corrupted"
 

@@ -124,6 +124,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.host_tier: Any = self.connector if hasattr(self.connector, "step_loaded_tokens") else None
         if self.host_tier is not None:
             self.host_tier.save_filter = _worth_saving
+            self.host_tier.session_key = self._session_key
+            self.book.on_forget = self.host_tier.end_session
         self.infer: HintInference | None = None
         if infer_enabled():
             env = os.environ.get
@@ -303,6 +305,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.book.on_request_finished(s, request.request_id, blocks)
         if self.infer is not None:
             self.infer.after_turn_end(s)
+
+    def _session_key(self, request: Any) -> str | None:
+        s = self._req_session.get(request.request_id)
+        return s.session_id if s is not None else None
 
     def shutdown(self) -> None:
         if self.hint_server is not None:

@@ -82,7 +82,11 @@ class HintflowHostTier(KVConnectorBase_V1):
         self.num_loaded_tokens = 0
         self._loaded_now: dict[str, int] = {}
         self.step_loaded_tokens: dict[str, int] = {}  # request id -> tokens loaded, for the last built step
-        self.save_filter: Callable[[Request], bool] | None = None  # set by hintflow's scheduler
+        # set by hintflow's scheduler: which turns are worth saving (not a program's last), and the session a
+        # request belongs to (its saved blocks are demoted when the session ends released)
+        self.save_filter: Callable[[Request], bool] | None = None
+        self.session_key: Callable[[Request], str | None] | None = None
+        self._session_hashes: dict[str, list[Any]] = {}
         # worker side
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict[str, torch.Tensor] = {}
@@ -126,6 +130,9 @@ class HintflowHostTier(KVConnectorBase_V1):
         if self.save_filter is not None and not self.save_filter(request):
             return False, None
         num_full = min(len(request.block_hashes), request.num_computed_tokens // self.block_size, len(block_ids))
+        key = self.session_key(request) if self.session_key is not None else None
+        if key is not None:
+            self._session_hashes[key] = list(request.block_hashes[:num_full])
         saves: list[tuple[int, int]] = []
         for i in range(num_full):
             h = request.block_hashes[i]
@@ -159,8 +166,11 @@ class HintflowHostTier(KVConnectorBase_V1):
         # blocks held for a copy come back next step: wait for them rather than preempt
         return bool(self._in_flight_req_ids)
 
-    def forget_hashes(self, block_hashes: list[Any]) -> int:
-        return self.index.forget(block_hashes)
+    def end_session(self, session_id: str, released: bool) -> int:
+        """The scheduler forgot this session: if its program was released, its blocks go first (0 blocks
+        demoted otherwise: a session forgotten for silence may still come back)."""
+        hashes = self._session_hashes.pop(session_id, None)
+        return self.index.demote(hashes) if released and hashes else 0
 
     # ---- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

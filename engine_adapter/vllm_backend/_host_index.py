@@ -10,8 +10,9 @@ worker never has to know a hash::
 
 ``reserve`` hands out a free slot or evicts the least recently used unlocked one; ``match`` finds the
 run of consecutive blocks of a prompt that the host holds; ``lock``/``unlock`` keep a slot that a
-planned load still has to read from being overwritten by a save planned in the same step. ``forget``
-drops the blocks of a released program first, so they never push out a session that will resume.
+planned load still has to read from being overwritten by a save planned in the same step. ``demote``
+puts a released program's blocks first in line for eviction, so they never push out a session that
+will resume.
 
 No vLLM import: the book is tested on its own, and ``_serve`` builds the connector's config from here.
 """
@@ -45,7 +46,7 @@ class HostIndexStats:
     num_saved_blocks: int = 0
     num_loaded_blocks: int = 0
     num_evicted_blocks: int = 0
-    num_forgotten_blocks: int = 0
+    num_demoted_blocks: int = 0  # moved to the front of the LRU order (a released program's)
     num_save_skipped_full: int = 0  # a save found every slot locked
 
 
@@ -120,18 +121,15 @@ class HostIndex:
         self.stats.num_saved_blocks += 1
         return slot
 
-    def forget(self, block_hashes: Iterable[Hashable]) -> int:
-        """Drop these blocks (a released program's): their slots are free at once unless a load reads them."""
+    def demote(self, block_hashes: Iterable[Hashable]) -> int:
+        """Put these blocks first in line for eviction (a released program's: no turn of it will read them;
+        a block another session shares moves back to the end when that session saves or loads it)."""
         n = 0
         for h in block_hashes:
-            slot = self._slot_of.get(h)
-            if slot is None or slot in self._locks:
-                continue
-            del self._slot_of[h]
-            del self._hash_of[slot]
-            self._free.append(slot)
-            n += 1
-        self.stats.num_forgotten_blocks += n
+            if h in self._slot_of:
+                self._slot_of.move_to_end(h, last=False)
+                n += 1
+        self.stats.num_demoted_blocks += n
         return n
 
     def _evict_one(self) -> int | None:

@@ -111,6 +111,8 @@ class SessionBook:
         self._expiry: list[tuple[float, int, str]] = []
         self._seq = itertools.count(1)
         self._next_sweep_s = 0.0
+        # called as a session is forgotten, with whether it was released (the host tier demotes its blocks)
+        self.on_forget: Callable[[str, bool], Any] | None = None
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -291,6 +293,8 @@ class SessionBook:
     def _forget(self, s: VSession) -> None:
         self._unpin(s)
         self.sessions.pop(s.session_id, None)
+        if self.on_forget is not None:
+            self.on_forget(s.session_id, s.released)
         members = self.programs.get(s.program_id)
         if members is not None:
             members.discard(s.session_id)
