@@ -48,9 +48,11 @@ def _run(model: str, scheduler_cls: str | None) -> dict[str, Any]:
     kw: dict[str, Any] = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
     from engine_adapter.vllm_backend._host_index import host_tier_config
 
+    # gpu_memory_utilization: on the CPU backend, the share of the machine's memory vLLM reserves (the default
+    # 0.92 fails whenever anything else runs)
     llm = LLM(
         model=model, enforce_eager=True, num_gpu_blocks_override=NUM_BLOCKS, max_model_len=2048,
-        dtype="float32", kv_transfer_config=host_tier_config(HOST_TOKENS), **kw,
+        dtype="float32", gpu_memory_utilization=0.1, kv_transfer_config=host_tier_config(HOST_TOKENS), **kw,
     )  # fmt: skip
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
@@ -67,6 +69,13 @@ def _run(model: str, scheduler_cls: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {"first": run(a, program_id="pa")}
     for seed in (2, 3, 4):
         run(_prompt(seed))
+    if scheduler_cls is not None:  # what the router reads: the node's host tier, and pa's context on it
+        from engine_adapter.vllm_backend._cache_state import cache_state
+
+        st = cache_state(sched, include_sessions=True)
+        pa = [x for x in st.sessions if x.session_id == "pa"]
+        out["cache_state"] = {"host_total_blocks": st.host_total_blocks, "host_free_blocks": st.host_free_blocks,
+                              "pa_host_tokens": pa[0].host_tokens if pa else None}  # fmt: skip
     out["again"] = run(a, program_id="pa", is_last_turn=True)  # under hintflow: releases program pa
     for seed in (5, 6, 7):
         run(_prompt(seed))
@@ -153,6 +162,13 @@ def test_no_device_block_is_left_held_by_a_save(report: dict[str, Any], schedule
         assert r["engine_keeps_stepping"]  # the engine does not go idle with blocks held for a copy
     assert r["in_flight_saves"] == 0
     assert r["free_blocks"] == r["usable_blocks"], r
+
+
+def test_the_routers_cache_state_shows_the_host_tier(report: dict[str, Any]) -> None:
+    st = report["hintflow"]["cache_state"]
+    assert st["host_total_blocks"] == HOST_TOKENS // 128
+    assert 0 < st["host_free_blocks"] < st["host_total_blocks"]
+    assert st["pa_host_tokens"] >= 1280  # program pa's 11 full blocks, flooded off the device
 
 
 def test_hintflow_skips_saving_a_last_turn_and_counts_host_hits(report: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from ._agent_workload import (
     pool_blocks_for,
     swe_agent_programs,
 )
+from ._host_index import HOST_RELOAD_S_PER_TOKEN
 from ._serve import REPO, build_vllm_command, start_vllm, stop_vllm, wait_healthy
 
 __all__ = ["MODES", "ensure_model", "main", "max_model_len_for", "run_mode", "summarize", "verdict"]
@@ -136,7 +137,7 @@ def run_mode(
         warm = AgentProgram("warmup", 0.0, programs[0].all_sessions[0].turns[:1])
         run_program(base, str(model), warm, time.monotonic(), "plain")
         if base_mode == "hintflow-orchestrator":
-            pusher = HintPusher(f"127.0.0.1:{hint_port}")
+            pusher = HintPusher(f"127.0.0.1:{hint_port}", host_s_per_token=HOST_RELOAD_S_PER_TOKEN if plus else None)
         client_mode = {"vanilla": "plain", "hintflow-infer": "infer", "hintflow-infer-pid": "plain",
                        "hintflow-orchestrator": "plain"}[base_mode]
         t0 = time.monotonic() + 0.5

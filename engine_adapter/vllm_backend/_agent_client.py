@@ -59,13 +59,16 @@ class HintPusher:
     """
 
     def __init__(self, target: str, policy_name: str = "hintflow", tick_s: float = 0.05,
-                 s_per_token: float = 1.25e-4) -> None:
+                 s_per_token: float = 1.25e-4, host_s_per_token: float | None = None) -> None:
+        """``host_s_per_token``: the node has a host KV tier, whose copy back costs this per token (the
+        policy prices pins by it, as on an embedded node with a host tier)."""
         import grpc
 
         from hints import engine_pb2_grpc
         from orchestrator._policy import get_policy
 
-        self.policy = get_policy(policy_name, prefill_reload=lambda n: s_per_token * n)
+        host = None if host_s_per_token is None else (lambda n: host_s_per_token * n)
+        self.policy = get_policy(policy_name, prefill_reload=lambda n: s_per_token * n, host_reload=host)
         self.channel = grpc.insecure_channel(target)
         self.stub = engine_pb2_grpc.EngineNodeStub(self.channel)
         self.tick_s = tick_s

@@ -44,6 +44,7 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
         sched.book.expire()
         pool = sched.kv_cache_manager.block_pool
         bs = sched.block_size
+        tier = getattr(sched, "host_tier", None)  # hintflow's host KV tier, when vLLM runs it
         sessions = []
         if include_sessions:
             for s in sched.book.sessions.values():
@@ -52,6 +53,7 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
                         session_id=s.session_id,
                         program_id=s.program_id,
                         device_tokens=s.resident_blocks() * bs,
+                        host_tokens=tier.session_host_tokens(s.session_id) if tier is not None else 0,
                         pinned=bool(s.held),
                         state=s.state,  # type: ignore[arg-type]
                     )
@@ -63,8 +65,8 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
             total_blocks=sched.book.num_blocks,
             free_blocks=pool.get_num_free_blocks(),
             pinned_blocks=sched.book.num_pinned_blocks,
-            host_total_blocks=0,
-            host_free_blocks=0,
+            host_total_blocks=tier.index.num_slots if tier is not None else 0,
+            host_free_blocks=tier.index.num_slots - tier.index.num_used_slots if tier is not None else 0,
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
             prefill_backlog_tokens=sched.prefill_backlog_tokens(),

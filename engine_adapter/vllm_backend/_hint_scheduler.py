@@ -53,6 +53,7 @@ from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, PRIORITY_SCALE, QueueRules
 from ._async_mode import StepsInFlight, log_async_mode
 from ._compat import check_vllm_internals
+from ._host_index import HOST_RELOAD_S_PER_TOKEN
 from ._infer import HintInference, infer_enabled
 from ._sessions import SessionBook, VSession
 
@@ -73,10 +74,6 @@ AGING_S = 3.0
 """Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
 first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
 for 35 s at p99 under overload (README); a few seconds keeps most of FCFS's benefit for returning turns."""
-HOST_RELOAD_S_PER_TOKEN = 2e-6
-"""Default cost of copying one token's KV back from the host tier, for pricing inferred pins when the
-node has one (``HINTFLOW_HOST_RELOAD_S_PER_TOKEN``): an 8B model's 128 KiB per token over ~64 GB/s of
-PCIe 5; a CPU build copies within memory, faster still. Either way a pin rarely pays for itself."""
 PIN_BUDGET = 0.7
 """Default share of the pool pins may hold. 0.5 held ~4 of ~30 live contexts under overload; with the
 admission guard limiting how many programs are in flight, and the yield and deadlock rules returning

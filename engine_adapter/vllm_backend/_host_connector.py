@@ -166,6 +166,11 @@ class HintflowHostTier(KVConnectorBase_V1):
         # blocks held for a copy come back next step: wait for them rather than preempt
         return bool(self._in_flight_req_ids)
 
+    def session_host_tokens(self, session_id: str) -> int:
+        """Tokens of the session's last saved turn that are still on the host (its ``CacheState`` entry)."""
+        hashes = self._session_hashes.get(session_id, ())
+        return sum(1 for h in hashes if h in self.index) * self.block_size
+
     def end_session(self, session_id: str, released: bool) -> int:
         """The scheduler forgot this session: if its program was released, its blocks go first (0 blocks
         demoted otherwise: a session forgotten for silence may still come back)."""

@@ -24,9 +24,14 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CONNECTOR_MODULE", "HostIndex", "HostIndexStats", "host_tier_config"]
+__all__ = ["CONNECTOR_MODULE", "HOST_RELOAD_S_PER_TOKEN", "HostIndex", "HostIndexStats", "host_tier_config"]
 
 CONNECTOR_MODULE = "engine_adapter.vllm_backend._host_connector"
+
+HOST_RELOAD_S_PER_TOKEN = 2e-6
+"""Default cost of copying one token's KV back from the host tier, for pricing inferred pins when the
+node has one (``HINTFLOW_HOST_RELOAD_S_PER_TOKEN``): an 8B model's 128 KiB per token over ~64 GB/s of
+PCIe 5; a CPU build copies within memory, faster still. Either way a pin rarely pays for itself."""
 
 
 def host_tier_config(host_capacity_tokens: int) -> dict[str, Any]:
