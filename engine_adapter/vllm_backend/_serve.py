@@ -49,17 +49,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def find_vllm_python() -> str | None:
-    """A Python that imports vLLM: ``$HINTFLOW_VLLM_PYTHON``, else the repo's ``.venv-vllm``, else this one.
+    """A Python that has vLLM installed: ``$HINTFLOW_VLLM_PYTHON``, else the repo's ``.venv-vllm``, else this one.
 
-    vLLM lives in its own venv (it pins numpy and click versions the main environment must not get).
+    vLLM lives in its own venv (it pins numpy and click versions the main environment must not get). Found,
+    not imported (``importlib.util.find_spec``, ~50 ms rather than ~3.5 s for ``import vllm``): whoever runs
+    it next imports it anyway (``check_vllm_python`` before a server, or the server itself), and a vLLM
+    that is installed but broken fails there with its own error.
     """
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     for py in (
         os.environ.get("HINTFLOW_VLLM_PYTHON", ""),
         str(REPO / ".venv-vllm" / "bin" / "python"),
         sys.executable,
     ):
         if py and Path(py).exists():
-            r = subprocess.run([py, "-c", "import vllm"], capture_output=True, timeout=120)
+            r = subprocess.run([py, "-c", probe], capture_output=True, timeout=120)
             if r.returncode == 0:
                 return py
     return None
