@@ -155,6 +155,8 @@ class HintflowHostTier(KVConnectorBase_V1):
         # a later step's saves run after this step's loads, so the slots can be reused from now on
         self.index.unlock(self._load_locks)
         self._saves, self._loads, self._saving_req_ids, self._load_locks = [], [], [], []
+        # a match is asked for and used within one schedule(): one that found no room is asked again
+        self._matched.clear()
         self.step_loaded_tokens, self._loaded_now = self._loaded_now, {}
         return meta
 
