@@ -246,3 +246,19 @@ def test_hintflow_pins_at_turn_end_once_the_graph_knows_a_tool_follows() -> None
     assert not [h for h in first if isinstance(h, Pin)]  # nothing learned yet
     [pin] = [h for h in second if isinstance(h, Pin)]
     assert pin.ttl_s == pytest.approx(math.log(10.0), rel=1e-3) and pin.reason == "turn-end:bash"
+
+
+def test_kvflow_steps_are_steps_to_execution_over_the_event_dag() -> None:
+    from orchestrator._graph import steps_to_execution
+
+    policy = get_policy("kvflow")
+    events = [TurnStarted(P, "a", 0.0, 100), TurnEnded(P, "a", 1.0, 110), ToolStarted(P, "a", "bash", 1.0, 110),
+              TurnStarted(P, "b", 1.0, 100), TurnEnded(P, "b", 2.0, 110),
+              TurnStarted(P, "c", 2.0, 100), TurnEnded(P, "c", 3.0, 110), ToolStarted(P, "c", "edit", 3.0, 110)]  # fmt: skip
+    for ev in events:
+        policy.on_event(ev)
+    g, running = policy.event_dag()  # type: ignore[attr-defined]
+    assert running == {"tool:a", "tool:c"} and set(g.nodes) >= {"next:a", "next:b", "next:c"}
+    values = steps_to_execution(g, running)
+    want = {sid: values[f"next:{sid}"] for sid in ("a", "b", "c")}
+    assert policy._steps() == want == {"a": 1.0, "b": 1.0, "c": 1.0}  # type: ignore[attr-defined]
