@@ -149,10 +149,13 @@ class SessionTable:
             return (x.priority_class, start, -self._creation_seq.get(x, 0))
 
         best: Session | None = None
+        best_key: tuple[int, float, int] | None = None
         for s in self._waiting_sessions():
-            evictable = s is not exclude and len(s.block_ids) > s.pinned_blocks
-            if evictable and (best is None or order(s) > order(best)):
-                best = s
+            if s is exclude or len(s.block_ids) <= s.pinned_blocks:
+                continue
+            key = order(s)  # once per session (this runs for every allocation that must evict)
+            if best_key is None or key > best_key:
+                best, best_key = s, key
         return best
 
     # ---- pins ----------------------------------------------------------------------------------
