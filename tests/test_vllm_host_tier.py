@@ -86,6 +86,7 @@ def _run(model: str, scheduler_cls: str | None) -> dict[str, Any]:
     run(_prompt(8), is_last_turn=True)
     out["saved_by_last_turn"] = tier.index.stats.num_saved_blocks - saved
     out["stats"] = vars(tier.index.stats)
+    out["delayed_frees"] = tier.num_delayed_frees
     out["host_hit_tokens"] = getattr(getattr(sched, "accounting", None), "host_hit_tokens", None)
     # A save holds its request's blocks until the next step copies them; vLLM keeps stepping while it
     # does (a server's busy loop; offline, generate() has already returned, so step here).
@@ -158,6 +159,8 @@ def test_the_comparison_can_fail_a_zeroed_host_copy_changes_the_output(report: d
 @pytest.mark.parametrize("scheduler", ["stock", "hintflow"])
 def test_no_device_block_is_left_held_by_a_save(report: dict[str, Any], scheduler: str) -> None:
     r = report[scheduler]
+    # blocks are saved as they fill, while the request runs: a finished turn rarely waits for a copy
+    assert r["delayed_frees"] <= 2, r
     if r["saves_after_generate"]:
         assert r["engine_keeps_stepping"]  # the engine does not go idle with blocks held for a copy
     assert r["in_flight_saves"] == 0

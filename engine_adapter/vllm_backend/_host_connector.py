@@ -6,14 +6,17 @@ history. A host tier turns those re-prefills into copies. vLLM's own CPU offload
 CUDA streams, so on a CPU build there is none; this one works on any device (on a GPU the copies are
 device<->host ``index_copy_`` calls, synchronous, ordered with compute on the default stream).
 
-How (write-through at turn end, load on admission)::
+How (write-through as blocks fill, load on admission)::
 
-    turn ends ── request_finished ─► full blocks not yet on the host get a slot (HostIndex, LRU);
-                                      vLLM keeps the request's blocks until the copy is done
-    next step ── build_connector_meta ─► HostTierMetadata(saves=[(device, slot)], loads=[(slot, device)])
-              ── worker start_load_kv ─► saves first (a freed block may be the target of a load), then
-                                          loads; the saved requests are reported finished-sending and
-                                          vLLM frees (or hintflow's scheduler pins) their blocks
+    every step ── build_connector_meta ─► each scheduled request's full blocks computed in earlier steps
+                                          (stable: nothing writes them again) and not yet on the host get
+                                          a slot (HostIndex, LRU) and a save in HostTierMetadata
+    turn ends ── request_finished ─► the few blocks filled since (usually none) get theirs; only then
+                                      vLLM keeps the request's blocks until that copy is done
+    each step ── worker start_load_kv ─► saves first (a freed block may be the target of a load), then
+                                          loads; requests whose last blocks were copied are reported
+                                          finished-sending and vLLM frees (or hintflow's scheduler pins)
+                                          their blocks
     new turn ── get_num_new_matched_tokens ─► the run of its next blocks the host holds, as external
                                                hit tokens (vLLM allocates device blocks for them) and
                 update_state_after_alloc pairs those slots with the allocated device blocks
@@ -74,12 +77,14 @@ class HintflowHostTier(KVConnectorBase_V1):
         # scheduler side
         self.index = HostIndex(self.num_slots)
         self._matched: dict[str, tuple[int, list[int]]] = {}  # req id -> (first block, slots)
+        self._tracked: dict[str, list[Any]] = {}  # running req id -> [request, blocks already checked]
         self._saves: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self._load_locks: list[int] = []
         self._saving_req_ids: list[str] = []
         self._in_flight_req_ids: set[str] = set()
         self.num_loaded_tokens = 0
+        self.num_delayed_frees = 0  # finished requests whose blocks waited a step for a copy
         self._loaded_now: dict[str, int] = {}
         self.step_loaded_tokens: dict[str, int] = {}  # request id -> tokens loaded, for the last built step
         # set by hintflow's scheduler: which turns are worth saving (not a program's last), and the session a
@@ -108,6 +113,9 @@ class HintflowHostTier(KVConnectorBase_V1):
         return len(slots) * self.block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        # vLLM calls this for every request it admits (or re-admits after a preemption): track it for saves
+        if self.save_filter is None or self.save_filter(request):
+            self._tracked[request.request_id] = [request, 0]
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
@@ -126,31 +134,59 @@ class HintflowHostTier(KVConnectorBase_V1):
         self.num_loaded_tokens += len(slots) * self.block_size
         self._loaded_now[request.request_id] = len(slots) * self.block_size
 
+    def _save_blocks(self, request: Request, block_ids: list[int], start: int, end: int) -> tuple[int, int]:
+        """Plan saves of blocks ``start:end`` not yet on the host; (blocks checked, saves planned)."""
+        n = 0
+        for i in range(start, end):
+            h = request.block_hashes[i]
+            if h in self.index:
+                self.index.touch(h)
+                continue
+            slot = self.index.reserve(h)
+            if slot is None:  # every slot is being read this step: try the rest another step
+                return i, n
+            self._saves.append((block_ids[i], slot))
+            n += 1
+        return end, n
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        entry = self._tracked.pop(request.request_id, None)
         if self.save_filter is not None and not self.save_filter(request):
             return False, None
         num_full = min(len(request.block_hashes), request.num_computed_tokens // self.block_size, len(block_ids))
         key = self.session_key(request) if self.session_key is not None else None
         if key is not None:
             self._session_hashes[key] = list(request.block_hashes[:num_full])
-        saves: list[tuple[int, int]] = []
-        for i in range(num_full):
-            h = request.block_hashes[i]
-            if h in self.index:
-                self.index.touch(h)
-                continue
-            slot = self.index.reserve(h)
-            if slot is None:  # every slot is being read this step: skip the rest of this turn
-                break
-            saves.append((block_ids[i], slot))
-        if not saves:
+        start = min(entry[1], num_full) if entry is not None else 0
+        for h in request.block_hashes[:start]:  # saved while it ran: now the most recently used
+            self.index.touch(h)
+        _, planned = self._save_blocks(request, block_ids, start, num_full)
+        if not planned:
             return False, None
-        self._saves.extend(saves)
         self._saving_req_ids.append(request.request_id)
         self._in_flight_req_ids.add(request.request_id)
+        self.num_delayed_frees += 1
         return True, None  # vLLM keeps the blocks until the worker reports the copy done
 
+    def _plan_running_saves(self, scheduler_output: Any) -> None:
+        """Saves of the scheduled requests' stable full blocks: computed in an earlier step (tokens of
+        steps still in flight under async scheduling excluded), so nothing writes them again."""
+        if self._kv_cache_manager is None:
+            return
+        for req_id in scheduler_output.num_scheduled_tokens:
+            entry = self._tracked.get(req_id)
+            if entry is None:
+                continue
+            request, checked = entry
+            stable = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)
+            end = min(len(request.block_hashes), stable // self.block_size)
+            if end <= checked:
+                continue
+            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            entry[1], _ = self._save_blocks(request, block_ids, checked, min(end, len(block_ids)))
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        self._plan_running_saves(scheduler_output)
         meta = HostTierMetadata(saves=self._saves, loads=self._loads, saved_req_ids=self._saving_req_ids)
         # a later step's saves run after this step's loads, so the slots can be reused from now on
         self.index.unlock(self._load_locks)
