@@ -25,7 +25,8 @@ Enable it with ``--kv-transfer-config '{"kv_connector": "HintflowHostTier", "kv_
 "engine_adapter.vllm_backend._host_connector", "kv_role": "kv_both", "kv_connector_extra_config":
 {"host_capacity_tokens": N}}'`` (``hintflow engine serve --backend vllm --host-capacity-tokens N`` writes
 it). It works under vLLM's own scheduler (LRU write-through, no hints) and under hintflow's, which tells
-it which turns are a program's last (nothing to save) and which programs were released (``forget``).
+it which turns are a program's last (nothing to save) and which sessions ended released (``end_session``:
+their host blocks go first in line for eviction).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["CONNECTOR_MODULE", "HintflowHostTier", "HostTierMetadata", "host_tier_config"]
 
 log = logging.getLogger("hintflow.vllm.host_tier")
+
 
 @dataclass
 class HostTierMetadata(KVConnectorMetadata):
