@@ -52,11 +52,19 @@ class HintFlowPolicy(ContinuumPolicy):
         super().__init__(*args, **kw)
         self.tracker = ProgramTracker(self.pause_model)
         if self.host_reload is not None:
-            # With a host tier an evicted context comes back by copy, not by re-prefill: a pin saves only
-            # the cheaper of the two, so it is priced by that (Continuum prices re-prefill alone), and
-            # without Continuum's queueing term (_HostTierTTL).
+            self._host_reload_changed()
+
+    def _host_reload_changed(self) -> None:
+        """With a host tier an evicted context comes back by copy, not by re-prefill: a pin saves only the
+        cheaper of the two, so it is priced by that (Continuum prices re-prefill alone), and without
+        Continuum's queueing term (_HostTierTTL). The estimates learned so far carry over."""
+        old = self.ttl
+        if self.host_reload is None:
+            self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload)
+        else:
             prefill, host = self.prefill_reload, self.host_reload
             self.ttl = _HostTierTTL(self.pause_model, lambda n: min(float(prefill(n)), float(host(n))))
+        self.ttl.learn_from(old)
 
     def _predictions(self, now_s: float) -> dict[str, Callable[[], float]]:
         """In a pause: the pause model's remaining time.  Between turns: the program graph's prediction

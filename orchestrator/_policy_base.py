@@ -91,6 +91,15 @@ class _BasePolicy:
         # session -> (sent_at_s, next_use_s) of the last NextUse we sent, for incremental updates
         self._sent_next_use: dict[str, tuple[float, float]] = {}
 
+    def set_host_reload(self, host_reload: Callable[[int], float] | None) -> None:
+        """The nodes have (or no longer have) a host tier: seconds to copy a context of n tokens back.
+        The baselines price a lost context as their papers do and ignore it; ``HintFlowPolicy`` re-prices."""
+        self.host_reload = host_reload
+        self._host_reload_changed()
+
+    def _host_reload_changed(self) -> None:
+        return None
+
     # -- safety ---------------------------------------------------------------------------------------
     def _safe(self, build: Callable[[], Any], what: str) -> Any | None:
         """Run ``build`` (which computes and validates a hint); on any error log, count and return None."""

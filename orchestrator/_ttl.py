@@ -74,6 +74,14 @@ class ContinuumTTL:
         self._num_programs = 0
         self._n = self._sk = self._sr = self._skk = self._srr = self._skr = 0
 
+    def learn_from(self, other: ContinuumTTL) -> None:
+        """Take over what ``other`` has measured (T's window, eta's moments): a policy that switches rule
+        (its nodes gained a host tier) keeps its estimates rather than starting cold."""
+        self._queue_delays_s = deque(other._queue_delays_s, maxlen=self._queue_delays_s.maxlen)
+        self._num_programs = other._num_programs
+        self._n, self._sk, self._sr = other._n, other._sk, other._sr
+        self._skk, self._srr, self._skr = other._skk, other._srr, other._skr
+
     # ---- T: sliding mean queueing delay of requests whose context had been evicted ---------------------
     def observe_evicted_queue_delay(self, delay_s: float) -> None:
         if not (delay_s >= 0.0 and math.isfinite(delay_s)):

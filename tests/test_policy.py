@@ -262,3 +262,24 @@ def test_kvflow_steps_are_steps_to_execution_over_the_event_dag() -> None:
     values = steps_to_execution(g, running)
     want = {sid: values[f"next:{sid}"] for sid in ("a", "b", "c")}
     assert policy._steps() == want == {"a": 1.0, "b": 1.0, "c": 1.0}  # type: ignore[attr-defined]
+
+
+def test_hintflow_reprices_pins_when_its_nodes_gain_a_host_tier_and_keeps_what_it_learned() -> None:
+    from orchestrator._hintflow_policy import _HostTierTTL
+    from orchestrator._ttl import ContinuumTTL
+
+    policy = get_policy("hintflow", prefill_reload=lambda n: 10.0)
+    for n in (3, 5, 8, 13, 2, 7, 4, 9, 6, 11, 3, 5):
+        policy.ttl.observe_program_finished(n)
+    policy.ttl.observe_evicted_queue_delay(2.0)
+    eta, t = policy.ttl.eta, policy.ttl.queue_delay_s
+    assert type(policy.ttl) is ContinuumTTL and t == 2.0
+    policy.set_host_reload(lambda n: 0.001)  # type: ignore[attr-defined]
+    assert isinstance(policy.ttl, _HostTierTTL) and policy.ttl.eta == eta
+    assert policy.ttl.queue_delay_s == 0.0  # no queueing term with a host tier
+    pins = [h for h in policy.on_event(ToolStarted(P, S, "bash", 1.0, 8000)) if isinstance(h, Pin)]
+    assert [p.ttl_s for p in pins] in ([], [0.0])  # a 1 ms copy back never pays for holding memory
+    policy.set_host_reload(None)  # type: ignore[attr-defined]
+    assert type(policy.ttl) is ContinuumTTL and policy.ttl.queue_delay_s == t and policy.ttl.eta == eta
+    pins = [h for h in policy.on_event(ToolStarted(P, "s2", "bash", 2.0, 8000)) if isinstance(h, Pin)]
+    assert pins and pins[0].ttl_s > 0  # the same pause is worth a pin when the context would be re-prefilled

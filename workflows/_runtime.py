@@ -138,6 +138,10 @@ class HintRuntime:
             kw["pause_model"] = pause_model
         self.policy: HintPolicy = get_policy(policy, **kw) if isinstance(policy, str) else policy
         self.router = Router(prefill_s, policy=routing)
+        # engine -> whether its last CacheState showed a host tier; a policy built here by name learns
+        # from it how a lost context comes back (a policy object passed in is left as configured)
+        self._host_tier: dict[str, bool] = {}
+        self._auto_host_reload = isinstance(policy, str)
         self.tick_s = tick_s
         self.watch_interval_s = watch_interval_s
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -212,6 +216,7 @@ class HintRuntime:
             try:
                 async for state in client.watch_cache_state(self.watch_interval_s, include_sessions=True):
                     self.router.update(addr, state, time.monotonic())
+                    self.note_host_tier(addr, state.host_total_blocks > 0)
                     backoff_s = 0.1
             except asyncio.CancelledError:
                 raise
@@ -222,6 +227,20 @@ class HintRuntime:
                 await client.close()
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
+
+    def note_host_tier(self, addr: str, has_host_tier: bool) -> None:
+        """Pins are priced by the copy back from the host only when every engine has a host tier: on a
+        node without one a pin saves a re-prefill, and the policy does not know which node a session is on."""
+        if not self._auto_host_reload or self._host_tier.get(addr) == has_host_tier:
+            return
+        self._host_tier[addr] = has_host_tier
+        every = set(self._host_tier) >= set(self.engines) and all(self._host_tier.values())
+        set_host_reload = getattr(self.policy, "set_host_reload", None)
+        if set_host_reload is None or every == (getattr(self.policy, "host_reload", None) is not None):
+            return
+        per_token_s = self.router.host_reload_s_per_token
+        set_host_reload((lambda n: per_token_s * n) if every else None)
+        logger.info("host tier on every engine: %s; pins priced by %s", every, "the copy back" if every else "re-prefill")
 
     async def _tick_loop(self) -> None:
         while True:
