@@ -174,7 +174,11 @@ def _apply(sched: HintSchedulerMixin, i: int, h: HintModel | HintDecodeError) ->
     if isinstance(h, Prefetch):
         s = _session(sched, h.session_id)
         s.next_use_deadline_s = book.clock() + h.at_s
-        return HintResult(index=i, message="no host tier on this node: recorded as a next use")
+        if getattr(sched, "host_tier", None) is not None:
+            msg = "recorded as a next use: the host tier loads a context when its turn is admitted, not ahead"
+        else:
+            msg = "no host tier on this node: recorded as a next use"
+        return HintResult(index=i, message=msg)
     if isinstance(h, Expect):
         _session(sched, h.session_id).expected_output_tokens = h.output_tokens
         return HintResult(index=i)
