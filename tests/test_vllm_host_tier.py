@@ -41,7 +41,7 @@ def _prompt(seed: int, n: int = 1500) -> list[int]:
 # ---- in the vLLM venv -----------------------------------------------------------------------------------
 
 
-def _run(model: str, scheduler_cls: str | None) -> dict[str, Any]:
+def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> dict[str, Any]:
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
     from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
 
@@ -52,7 +52,8 @@ def _run(model: str, scheduler_cls: str | None) -> dict[str, Any]:
     # 0.92 fails whenever anything else runs)
     llm = LLM(
         model=model, enforce_eager=True, num_gpu_blocks_override=NUM_BLOCKS, max_model_len=2048,
-        dtype="float32", gpu_memory_utilization=0.1, kv_transfer_config=host_tier_config(HOST_TOKENS), **kw,
+        dtype="float32", gpu_memory_utilization=0.1, kv_transfer_config=host_tier_config(HOST_TOKENS),
+        enable_prefix_caching=prefix_caching, **kw,
     )  # fmt: skip
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
@@ -115,6 +116,8 @@ def _report(model: str, state: str, scheduler: str) -> dict[str, Any]:
         os.makedirs(os.path.join(state, sub), exist_ok=True)
         os.environ[var] = os.path.join(state, sub)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if scheduler == "no-prefix-caching":  # must fail at start-up, naming the reason
+        return _run(model, None, prefix_caching=False)
     return _run(model, SCHEDULER_CLS if scheduler == "hintflow" else None)
 
 
@@ -165,6 +168,21 @@ def test_no_device_block_is_left_held_by_a_save(report: dict[str, Any], schedule
         assert r["engine_keeps_stepping"]  # the engine does not go idle with blocks held for a copy
     assert r["in_flight_saves"] == 0
     assert r["free_blocks"] == r["usable_blocks"], r
+
+
+def test_without_prefix_caching_the_host_tier_refuses_to_start(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from tests.vllm_support import tiny_model, vllm_python_or_skip
+
+    python = vllm_python_or_skip()
+    model = tiny_model(tmp_path_factory, python)
+    state = tmp_path_factory.mktemp("host-tier-nocache")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    r = subprocess.run(
+        [python, "-m", "tests.test_vllm_host_tier", str(model), str(state), "no-prefix-caching"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert "HintflowHostTier needs vLLM's prefix caching" in r.stdout + r.stderr
 
 
 def test_the_routers_cache_state_shows_the_host_tier(report: dict[str, Any]) -> None:

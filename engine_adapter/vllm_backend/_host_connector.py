@@ -74,6 +74,11 @@ class HintflowHostTier(KVConnectorBase_V1):
                 "HintflowHostTier needs kv_connector_extra_config.host_capacity_tokens, a positive integer;"
                 f" got {capacity!r}"
             )
+        if not vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "HintflowHostTier needs vLLM's prefix caching (blocks are found on the host by their prefix"
+                " hashes): drop --no-enable-prefix-caching"
+            )
         self.block_size = int(vllm_config.cache_config.block_size)
         self.num_slots = max(1, capacity // self.block_size)
         # scheduler side
