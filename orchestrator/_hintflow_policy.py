@@ -16,24 +16,7 @@ from orchestrator._baselines import ContinuumPolicy
 from orchestrator._events import ProgramEnded, Tick, ToolStarted, TurnEnded, TurnStarted
 from orchestrator._policy_base import _cap
 from orchestrator._tracker import ProgramTracker
-from orchestrator._ttl import ContinuumTTL
-
-
-class _HostTierTTL(ContinuumTTL):
-    """Continuum's pin rule on a node with a host tier: the benefit of a pin is the reload it saves, T = 0.
-
-    Continuum adds T, the queueing delay of turns whose context was evicted, because such a turn goes back
-    through the prefill queue.  With a host tier an unpinned context is copied out, not lost, and what a
-    pin still saves in queueing it takes from the other turns when device memory is what they all queue
-    for.  T is also measured on the few turns that did recompute, which under memory pressure are those
-    that queued longest, and longer pins make that queue longer: on ``hintflow replay -w multi-agent
-    --seed 1`` the loop reached 5.1 M pinned token-seconds and 94.4 s mean JCT, against 50.1 s with T
-    left out (swe-agent seeds 0-3, where pins never paid anyway: unchanged).
-    """
-
-    @property
-    def queue_delay_s(self) -> float:
-        return 0.0
+from orchestrator._ttl import ContinuumTTL, HostTierTTL
 
 
 class HintFlowPolicy(ContinuumPolicy):
@@ -57,13 +40,13 @@ class HintFlowPolicy(ContinuumPolicy):
     def _host_reload_changed(self) -> None:
         """With a host tier an evicted context comes back by copy, not by re-prefill: a pin saves only the
         cheaper of the two, so it is priced by that (Continuum prices re-prefill alone), and without
-        Continuum's queueing term (_HostTierTTL). The estimates learned so far carry over."""
+        Continuum's queueing term (HostTierTTL). The estimates learned so far carry over."""
         old = self.ttl
         if self.host_reload is None:
             self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload)
         else:
             prefill, host = self.prefill_reload, self.host_reload
-            self.ttl = _HostTierTTL(self.pause_model, lambda n: min(float(prefill(n)), float(host(n))))
+            self.ttl = HostTierTTL(self.pause_model, lambda n: min(float(prefill(n)), float(host(n))))
         self.ttl.learn_from(old)
 
     def _predictions(self, now_s: float) -> dict[str, Callable[[], float]]:

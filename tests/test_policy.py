@@ -265,8 +265,8 @@ def test_kvflow_steps_are_steps_to_execution_over_the_event_dag() -> None:
 
 
 def test_hintflow_reprices_pins_when_its_nodes_gain_a_host_tier_and_keeps_what_it_learned() -> None:
-    from orchestrator._hintflow_policy import _HostTierTTL
     from orchestrator._ttl import ContinuumTTL
+    from orchestrator._ttl import HostTierTTL as _HostTierTTL
 
     policy = get_policy("hintflow", prefill_reload=lambda n: 10.0)
     for n in (3, 5, 8, 13, 2, 7, 4, 9, 6, 11, 3, 5):

@@ -90,7 +90,6 @@ class HintflowHostTier(KVConnectorBase_V1):
         self._load_locks: list[int] = []
         self._saving_req_ids: list[str] = []
         self._in_flight_req_ids: set[str] = set()
-        self.num_loaded_tokens = 0
         self.num_delayed_frees = 0  # finished requests whose blocks waited a step for a copy
         self._loaded_now: dict[str, int] = {}
         self.step_loaded_tokens: dict[str, int] = {}  # request id -> tokens loaded, for the last built step
@@ -138,7 +137,6 @@ class HintflowHostTier(KVConnectorBase_V1):
         self._load_locks.extend(slots)
         self._loads.extend(zip(slots, device_ids, strict=True))
         self.index.stats.num_loaded_blocks += len(slots)
-        self.num_loaded_tokens += len(slots) * self.block_size
         self._loaded_now[request.request_id] = len(slots) * self.block_size
 
     def _save_blocks(self, request: Request, block_ids: list[int], start: int, end: int) -> tuple[int, int]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator._pause_model import PauseModel
-from orchestrator._ttl import ContinuumTTL
+from orchestrator._ttl import ContinuumTTL, HostTierTTL
 
 from ._sessions import SessionBook, VSession
 
@@ -64,16 +64,6 @@ class _BacklogTTL(ContinuumTTL):
     @property
     def queue_delay_s(self) -> float:
         return max(super().queue_delay_s, self.floor_s())
-
-
-class _HostReloadTTL(ContinuumTTL):
-    """On a node with a host tier: a pin saves only the copy back from the host, T = 0 (the orchestrator's
-    ``_HostTierTTL`` rule: an unpinned context is copied out, not lost, so there is no re-prefill queue to
-    save it from, and a pin would take device memory from the turns that queue for it)."""
-
-    @property
-    def queue_delay_s(self) -> float:
-        return 0.0
 
 
 def infer_enabled() -> bool:
@@ -127,7 +117,7 @@ class HintInference:
         measuring it; ``silent_min_s`` is the least silence after which a program is released;
         ``backlog_tokens()`` (prompt tokens the engine still has to compute) gives T its floor.
         ``host_reload_s_per_token``: the node has a host tier, and a context not pinned is copied back at
-        this cost per token (pins are priced by it alone, ``_HostReloadTTL``)."""
+        this cost per token (pins are priced by it alone and without T, ``HostTierTTL``)."""
         self.book = book
         self.clock = clock or book.clock
         self.defer_s = defer_s
@@ -136,7 +126,7 @@ class HintInference:
         self.rule: ContinuumTTL
         if host_reload_s_per_token is not None:
             host_s = host_reload_s_per_token
-            self.rule = _HostReloadTTL(self.pauses, lambda tokens: host_s * tokens)
+            self.rule = HostTierTTL(self.pauses, lambda tokens: host_s * tokens)
         else:
             self.rule = _BacklogTTL(self.pauses, self.prefill_reload_s, floor_s=self.backlog_s)
         self.programs: dict[str, _Program] = {}

@@ -15,8 +15,8 @@ No ``prometheus_client`` metric objects are created here on purpose: with ``PROM
 set (vLLM sets it for several API servers) those would write into vLLM's multiprocess directory and show
 up a second time on vLLM's own ``/metrics``.
 
-The host tier (``hintflow_kv_host_*``, ``hintflow_offloaded_blocks_total`` (here: copied to the host at a
-turn's end), ``hintflow_reloaded_blocks_total``, ``host_hit`` prompt tokens) is read from hintflow's host
+The host tier (``hintflow_kv_host_*``, ``hintflow_offloaded_blocks_total`` (here: copied to the host as they
+fill), ``hintflow_reloaded_blocks_total``, ``host_hit`` prompt tokens) is read from hintflow's host
 KV connector (``_host_connector``) when the server runs one, and is absent otherwise. What has no
 source without a scheduler hook (see the README): ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_sidecar``
 counts it from ``BlockRemoved``), ``hintflow_preemptions_total`` (``vllm:num_preemptions_total``) and
