@@ -6,12 +6,22 @@ come from ``hintflow engine profile``.  The formulas, with ``n`` new tokens, ``p
     prefill chunk   a + b·n + c·((p+n)² − p²)
     decode step     base + per_seq·B + per_ctx·Σ ctx_i          (ctx_i = start_pos_i + 1)
     copy            copy_per_block · blocks
+    step            prefills + decodes + reloads + offloads   (offload_overlaps_compute false)
+                    max(prefills + decodes + reloads, offloads)  (offload_overlaps_compute true)
 
 Why price a chunk at offset ``p`` with ``(p+n)² − p²``: attention of ``n`` queries over ``p+n`` keys is
 the slice of the full causal square between rows ``p`` and ``p+n``, so the quadratic term telescopes and
 ``k`` chunks of a prompt cost exactly its one-shot prefill plus ``(k−1)·a``.  The model charges chunking
 only its real overhead (one more step's fixed cost), so a scheduler comparing chunk sizes in simulation
 sees the same trade-off a real engine has, and a single coefficient ``c`` serves both cases.
+
+Why offloads may overlap: a GPU engine stores KV to host on the copy engine, on its own CUDA stream beside
+the step's kernels (vLLM's offloading connector, SGLang's HiCache that KVFlow builds on, LMCache), so a
+device-to-host copy costs the step nothing until the copy engine itself is the bottleneck.  A reload is
+different: the turn that needs it cannot compute before its blocks arrive, so it stays on the critical
+path (a ``Prefetch`` is how it leaves it).  The embedded engine offloads a block when it evicts it; a GPU
+engine would have written it behind earlier, so only the copy engine's time is charged.  The torch executor
+on a CPU copies inline, so the profile it fits (``cpu-tiny``) keeps every copy on the critical path.
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ class CostModel(BaseModel):
     decode_per_seq_s: float = _NonNeg
     decode_per_ctx_token_s: float = _NonNeg
     copy_per_block_s: float = _NonNeg  # one block host<->device, either direction
+    # device->host copies run beside the step's compute (see the module docstring); False: inline
+    offload_overlaps_compute: bool = False
     block_size: int = Field(ge=1)
     max_batched_tokens: int = Field(ge=1)  # per-step token budget the coefficients are valid up to
     kv_bytes_per_token: int | None = Field(default=None, ge=1)  # documents how copy cost was derived
@@ -87,9 +99,12 @@ class CostModel(BaseModel):
         is a prefill chunk priced on its own by ``prefill_time(len, start_pos)``.  Copies cost
         ``copy_per_block_s`` each.  The parts add up: a mixed step is priced as if its parts ran back to
         back, which over-prices piggybacked decodes slightly but never makes a step cheaper than its
-        largest part.  ``context_len_hint`` is ignored: the formula needs only what is already cached.
+        largest part.  With ``offload_overlaps_compute`` the device->host copies run beside the rest
+        and the step lasts the longer of the two.  ``context_len_hint`` is ignored: the formula needs
+        only what is already cached.
         """
-        total = self.copy_time(len(batch.copies))
+        num_offloads = sum(1 for op in batch.copies if op.kind == "d2h") if self.offload_overlaps_compute else 0
+        total = self.copy_time(len(batch.copies) - num_offloads)
         dec_n = dec_ctx = 0
         for s in batch.seqs:
             n = len(s.token_ids)
@@ -98,7 +113,7 @@ class CostModel(BaseModel):
                 dec_ctx += s.start_pos + 1
             else:
                 total += self.prefill_time(n, s.start_pos)
-        return total + self.decode_time(dec_n, dec_ctx)
+        return max(total + self.decode_time(dec_n, dec_ctx), self.copy_time(num_offloads))
 
     def prefill_reload_s(self, num_tokens: int) -> float:
         """Recomputing a whole context from nothing (Continuum's PrefillReload).

@@ -98,6 +98,23 @@ def test_mixed_step(cm: CostModel) -> None:
     assert cm.step_time(ScheduledBatch()) == 0.0
 
 
+def test_offloads_overlap_compute_when_the_profile_says_so(cm: CostModel) -> None:
+    """GPU profiles run device->host copies beside the step: a step costs the longer of its compute (with
+    reloads, which the turn waits for) and its offloads; inline (the default) they add up."""
+    overlapped = cm.model_copy(update={"offload_overlaps_compute": True})
+    decode = seq("dec", 1, 99, [])  # ctx 100
+    compute = BASE + PER_SEQ + 100 * PER_CTX
+    few = ScheduledBatch(seqs=[decode], copies=[CopyOp("d2h", 0, 0), CopyOp("h2d", 1, 1)])
+    assert cm.step_time(few) == pytest.approx(compute + 2 * COPY)
+    assert overlapped.step_time(few) == pytest.approx(compute + COPY)  # the offload is hidden
+    many = ScheduledBatch(seqs=[decode], copies=[CopyOp("d2h", i, i) for i in range(200)])
+    assert 200 * COPY > compute
+    assert overlapped.step_time(many) == pytest.approx(200 * COPY)  # the copy engine is the bottleneck
+    assert overlapped.step_time(ScheduledBatch(copies=[CopyOp("d2h", 0, 0)])) == pytest.approx(COPY)
+    assert load_cost_model("h100-llama3-8b").offload_overlaps_compute
+    assert not load_cost_model("cpu-tiny").offload_overlaps_compute  # torch on a CPU copies inline
+
+
 # -- files -------------------------------------------------------------------------------------------
 
 
