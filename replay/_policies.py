@@ -21,6 +21,10 @@ what differs is only what the paper behind it changes.  Why each field exists:
 * ``thunderagent_controller``: ThunderAgent's pause/restore loop (``replay/_thunder.py``).
 * ``ttft_deadline``: the replay's ``--ttft-deadline`` (``SchedulerConfig.ttft_deadline_s``) applies to its
   nodes; an option of hintflow's engine, off unless asked for.
+* ``clairvoyant``: every turn is submitted with its program's true remaining work from the trace as its
+  engine priority (shortest remaining program first).  No deployable policy knows that; the row shows what
+  perfect knowledge of every program's future would buy with the same memory, which bounds what better
+  prediction (and any queue order) could add to ``hintflow``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class ReplayConfig:
     infinite_kv: bool = False
     thunderagent_controller: bool = False
     ttft_deadline: bool = False  # the replay's --ttft-deadline applies (hintflow's engine option)
+    clairvoyant: bool = False  # priority = the program's true remaining work (an analysis row, not a policy)
     description: str = ""
 
 
@@ -78,6 +83,12 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
             "hintflow", "hintflow", "hintflow", retain_contexts=True, eviction_policy="hinted",
             host_tier=True, cold_prefill_cap=True, ttft_deadline=True,
             description="ours: pins, predicted-pause eviction order, priority, release, cost routing, host tier",
+        ),
+        ReplayConfig(
+            "clairvoyant", "hintflow", "hintflow", retain_contexts=True, eviction_policy="hinted",
+            host_tier=True, cold_prefill_cap=True, ttft_deadline=True, clairvoyant=True,
+            description="analysis, not a policy: hintflow with every program's true remaining work from the "
+                        "trace as its priority (shortest remaining program first), on the same memory",
         ),
         ReplayConfig(
             "oracle", "hintflow", "session", retain_contexts=True, eviction_policy="hinted",

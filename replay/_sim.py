@@ -249,11 +249,24 @@ class Simulation:
         s.node = address
         target = self.by_address[address]
         s.request = target.engine.submit(
-            prompt, max(1, turn.output_tokens), session_id=s.key, program_id=s.run.program.program_id
+            prompt, max(1, turn.output_tokens), session_id=s.key, program_id=s.run.program.program_id,
+            priority=self._remaining_work_ms(s.run) if self.config.clairvoyant else None,
         )
         s.prompt = prompt
         target.kick(self.now, self.at, self._step_end)
         self.feed(TurnStarted(s.run.program.program_id, s.key, self.now, len(prompt)))
+
+    def _remaining_work_ms(self, run: ProgramRun) -> int:
+        """The program's true remaining work from the trace, for the ``clairvoyant`` row: what is left of its
+        sessions' turns (this one included) priced at batch one (new-input prefill and decode) plus their
+        tool pauses, in milliseconds (an engine priority is an integer, lower first)."""
+        cm = self.spec.cost_model
+        total_s = 0.0
+        for sr in run.sessions.values():
+            for t in sr.session.turns[sr.turn_index:]:
+                total_s += (cm.prefill_time(t.input_tokens) + t.output_tokens * cm.decode_time(1, 0)
+                            + t.tool_duration_s)
+        return round(1000 * total_s)
 
     def _route(self, s: SessionRun, num_tokens: int, turn: Any) -> str:
         if len(self.nodes) == 1:

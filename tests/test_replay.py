@@ -106,6 +106,34 @@ def test_nodes_hold_invariants_and_leak_nothing(all_results) -> None:  # type: i
                 assert not kv.sessions, (r.config.name, list(kv.sessions)[:3])
 
 
+def test_clairvoyant_row_submits_each_turn_with_its_program_s_true_remaining_work(monkeypatch) -> None:
+    """The analysis row's priority is the trace's remaining work at batch one (prefill, decode, pauses): it
+    shrinks turn by turn, and equals the formula on the first turn; the other rows send no priority."""
+    from engine_adapter._engine import EngineCore
+
+    seen: dict[str, list[int | None]] = {}
+    submit = EngineCore.submit
+
+    def spy(self, prompt, max_new_tokens, **kw):  # type: ignore[no-untyped-def]
+        seen.setdefault(kw["program_id"], []).append(kw.get("priority"))
+        return submit(self, prompt, max_new_tokens, **kw)
+
+    monkeypatch.setattr(EngineCore, "submit", spy)
+    programs = _tiny(2)
+    setup, _ = run_replay(_setup(), [get_replay_config("clairvoyant")], programs=programs)
+    cm = setup.cost()
+    for p in programs:
+        turns = p.sessions[0].turns
+        first_s = sum(cm.prefill_time(t.input_tokens) + t.output_tokens * cm.decode_time(1, 0) + t.tool_duration_s
+                      for t in turns)
+        got = seen[p.program_id]
+        assert len(got) == len(turns) and got[0] == round(1000 * first_s)
+        assert all(a is not None and b is not None and a > b for a, b in itertools.pairwise(got))
+    seen.clear()
+    run_replay(_setup(), [get_replay_config("hintflow")], programs=programs)
+    assert {x for got in seen.values() for x in got} == {None}
+
+
 def test_report_has_required_keys(all_results) -> None:  # type: ignore[no-untyped-def]
     _, (setup, results) = all_results
     report = report_json(setup, results)
