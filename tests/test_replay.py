@@ -211,3 +211,17 @@ def test_ttft_deadline_reaches_only_hintflows_nodes() -> None:
     _, results = run_replay(_setup(ttft_deadline_s=0.5), configs, programs=_tiny(3))
     got = {r.config.name: r.nodes[0].engine.scheduler.config.ttft_deadline_s for r in results}
     assert got == {"vllm-default": None, "hintflow": 0.5}
+
+
+def test_queue_anatomy_script_reports_each_policy() -> None:
+    """The diagnostic behind the README's queueing figures runs and prints one row per policy asked for."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "queue_anatomy.py"), "--programs", "8",
+                        "--rate", "2", "-p", "kvflow,oracle"], capture_output=True, text=True, cwd=root, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert {"kvflow", "oracle"} <= set(rows)
+    assert "%" in rows["kvflow"]
