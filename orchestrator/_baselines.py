@@ -11,6 +11,7 @@ from typing import Any
 import networkx as nx
 
 from hints import (
+    MAX_HORIZON_S,
     HintModel,
 )
 from orchestrator._events import ProgramEnded, Tick, ToolEnded, ToolStarted, TurnEnded, TurnStarted
@@ -80,8 +81,14 @@ class KVFlowPolicy(_BasePolicy):
 
     The event stream carries no agent DAG, so the DAG is the one the events show: a session in a tool
     waits on that tool (running, 0) and is 1 step away; a session parked between turns is a source
-    waiting to start (1 step).  Steps are scaled to seconds by the mean observed step time (turns and
-    tools, 1 s until anything was seen).  Updates are incremental (only changed predictions are re-sent).
+    waiting to start (1 step).  KVFlow is given the workflow's agent step graph by its framework, which
+    also knows when an agent has taken its last step in a run: a framework that says so
+    (:meth:`note_agent_finished`; the replay does, from the trace) moves that agent out of the graph, no
+    step ever reaches it again, and its context goes first (``MAX_HORIZON_S``).  Steps are scaled to
+    seconds by the mean observed step time (turns and tools, 1 s until anything was seen).  Updates are
+    incremental (only changed predictions are re-sent).  Not modeled: KVFlow's prefetch of next-step agents
+    from host memory (measured on hintflow, whose prefetch moved 0-21 blocks a replay and JCT by under
+    0.3%, it does not change these workloads' figures).
     """
 
     name = "kvflow"
@@ -91,6 +98,7 @@ class KVFlowPolicy(_BasePolicy):
         self._step_sum_s = 0.0
         self._step_count = 0
         self._turn_start_s: dict[str, float] = {}
+        self._finished_agents: dict[str, str] = {}  # session -> its program, until the program ends
 
     @property
     def mean_step_s(self) -> float:
@@ -115,10 +123,19 @@ class KVFlowPolicy(_BasePolicy):
 
     def _steps(self) -> dict[str, float]:
         """``steps_to_execution`` over :meth:`event_dag`, in closed form: that DAG has depth one, so every
-        session is one step from running (1 + 0 behind its running tool, or 1 as a source). Building it
-        with networkx at every event cost 25 s of a 300-program multi-agent replay; a test checks the
-        two agree."""
-        return dict.fromkeys(self._parked, 1.0)
+        session is one step from running (1 + 0 behind its running tool, or 1 as a source); an agent the
+        framework said is finished is never reached (infinite). Building the DAG with networkx at every
+        event cost 25 s of a 300-program multi-agent replay; a test checks the two agree."""
+        done = self._finished_agents
+        return {sid: math.inf if sid in done else 1.0 for sid in self._parked}
+
+    def note_agent_finished(self, session_id: str, now_s: float) -> list[HintModel]:
+        """The framework's word that this agent (session) has taken its last step in its program: its
+        context is the first to go, at once (its program's Release frees it later)."""
+        if session_id not in self._parked:
+            return []
+        self._finished_agents[session_id] = self._parked[session_id].program_id
+        return self._order(now_s)
 
     def _order(self, now_s: float) -> list[HintModel]:
         steps = self._safe(self._steps, "steps-to-execution")
@@ -126,7 +143,8 @@ class KVFlowPolicy(_BasePolicy):
             return []
         mean = self.mean_step_s
         preds: dict[str, Callable[[], float]] = {
-            sid: partial(operator.mul, s, mean) for sid, s in steps.items()
+            sid: partial(float, MAX_HORIZON_S) if math.isinf(s) else partial(operator.mul, s, mean)
+            for sid, s in steps.items()
         }
         return self._eviction_order(preds, now_s, only_changed=True)
 
@@ -151,6 +169,9 @@ class KVFlowPolicy(_BasePolicy):
         return self._order(ev.now_s)
 
     def _on_program_ended(self, ev: ProgramEnded) -> list[HintModel]:
+        done = self._finished_agents
+        for sid in [sid for sid, pid in done.items() if pid == ev.program_id]:
+            del done[sid]
         return self._release(ev)
 
 

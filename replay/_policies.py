@@ -67,7 +67,7 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
         ),
         ReplayConfig(
             "kvflow", "kvflow", "session", retain_contexts=True, eviction_policy="hinted", host_tier=True,
-            description="KVFlow: steps-to-execution eviction order, host offload and prefetch",
+            description="KVFlow: steps-to-execution eviction order (finished agents first), host offload",
         ),
         ReplayConfig(
             "thunderagent", "thunderagent", "session", retain_contexts=True, eviction_policy="lru",

@@ -334,6 +334,9 @@ class Simulation:
 
     def _session_finished(self, s: SessionRun) -> None:
         run = s.run
+        note = getattr(self.policy, "note_agent_finished", None)  # the framework knows (KVFlow is told)
+        if note is not None:
+            self.publish(note(s.key, self.now))
         for succ in run.finish_session(s.session.session_id, self.now):
             self.start_turn(run.sessions[succ])
         if run.all_done:

@@ -264,6 +264,25 @@ def test_kvflow_steps_are_steps_to_execution_over_the_event_dag() -> None:
     assert policy._steps() == want == {"a": 1.0, "b": 1.0, "c": 1.0}  # type: ignore[attr-defined]
 
 
+def test_kvflow_sends_a_finished_agent_first_when_its_framework_says_so() -> None:
+    """KVFlow's framework knows the agent step graph, so an agent with no step left is never reached: its
+    context goes to the horizon (first to evict), the others stay one step away; the program's end forgets it."""
+    from hints import MAX_HORIZON_S
+    from orchestrator import ProgramEnded
+
+    policy = get_policy("kvflow")
+    for ev in [TurnStarted(P, "a", 0.0, 100), TurnEnded(P, "a", 1.0, 110), ToolStarted(P, "a", "bash", 1.0, 110),
+               TurnStarted(P, "b", 1.0, 100), TurnEnded(P, "b", 2.0, 110)]:  # fmt: skip
+        policy.on_event(ev)
+    assert policy.note_agent_finished("nobody", 2.0) == []  # type: ignore[attr-defined]
+    hints = policy.note_agent_finished("b", 2.0)  # type: ignore[attr-defined]
+    entries = {e.session_id: e.next_use_s for h in hints if isinstance(h, EvictionOrder) for e in h.entries}
+    assert entries["b"] == MAX_HORIZON_S
+    assert policy._steps() == {"a": 1.0, "b": math.inf}  # type: ignore[attr-defined]
+    policy.on_event(ProgramEnded(P, 3.0, 2))
+    assert policy._finished_agents == {}  # type: ignore[attr-defined]
+
+
 def test_hintflow_reprices_pins_when_its_nodes_gain_a_host_tier_and_keeps_what_it_learned() -> None:
     from orchestrator._ttl import ContinuumTTL
     from orchestrator._ttl import HostTierTTL as _HostTierTTL
