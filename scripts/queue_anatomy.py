@@ -50,7 +50,8 @@ class _Watched(Simulation):
         for n in self.nodes:
             sched, kv = n.engine.scheduler, n.engine.kv
             capacity = kv.device.num_blocks * n.block_size
-            running = sum(len(r.session.token_ids) for r in sched.running)
+            # distinct blocks: sessions share their prefix blocks (an agent role's system prompt)
+            running = len({b for r in sched.running for b in r.session.block_ids}) * n.block_size
             head = sched.waiting[0].num_tokens if sched.waiting else 0
             views.append((capacity, running, head, len(sched.waiting)))
         t = self.totals
