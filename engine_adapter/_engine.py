@@ -282,6 +282,8 @@ class EngineCore:
                 sessions=sessions,
                 node_time_s=self.clock.now(),
                 version=self.version,
+                # an executor that does not say (a third-party one) leaves the router's default
+                host_reload_s_per_token=float(getattr(self.executor, "host_reload_s_per_token", 0.0)),
             )
 
     # ---- moving contexts between nodes (_context_transfer) -------------------------------------

@@ -62,6 +62,12 @@ class ModeledExecutor(BatchChecker):
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self._blocks: dict[tuple[Tier, int], bytes] = {}  # (tier, block id) -> one block's bytes
 
+    @property
+    def host_reload_s_per_token(self) -> float:
+        """The cost model's copy per token (what a reload costs on the clock it keeps); 0 with no host tier."""
+        cm = self.cost_model
+        return cm.copy_per_block_s / cm.block_size if self.num_host_blocks else 0.0
+
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         lay = self.layout
         return (lay.num_layers, 2, num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_adapter._executor import BatchChecker, KVLayout, ScheduledBatch, ScheduledSeq, StepOutput
+from engine_adapter._executor import BatchChecker, CopyOp, KVLayout, ScheduledBatch, ScheduledSeq, StepOutput
 
 __all__ = ["TorchExecutor", "TorchModelConfig", "make_torch_executor"]
 
@@ -195,6 +195,13 @@ class TorchExecutor(BatchChecker):
         self.device_kv = torch.zeros(self.kv_shape(num_device_blocks), dtype=self._dtype, device=self.device)
         host_kv = torch.zeros(self.kv_shape(num_host_blocks), dtype=self._dtype)
         self.host_kv = host_kv.pin_memory() if self.device.type == "cuda" else host_kv
+        self._copy_s_per_block = 0.0  # measured, smoothed: what a block copy between tiers costs here
+
+    @property
+    def host_reload_s_per_token(self) -> float:
+        """Seconds to copy one token's KV between the tiers, as measured on this node's own copies
+        (a moving average over steps with copies); 0 until it has copied anything, or with no host tier."""
+        return self._copy_s_per_block / self.config.block_size if self.num_host_blocks else 0.0
 
     @property
     def tokens_embedded(self) -> int:
@@ -219,11 +226,8 @@ class TorchExecutor(BatchChecker):
         sampled: dict[str, int] = {}
         logits: dict[str, object] | None = {} if batch.return_logits else None
         with torch.inference_mode():
-            for op in batch.copies:
-                if op.kind == "d2h":
-                    self.host_kv[:, :, op.dst].copy_(self.device_kv[:, :, op.src])
-                else:
-                    self.device_kv[:, :, op.dst].copy_(self.host_kv[:, :, op.src])
+            if batch.copies:
+                self._copy(batch.copies)
             out = self._forward(batch.seqs).cpu() if batch.seqs else torch.empty(0, self.vocab_size)
         wanted = [s for s in batch.seqs if s.sample]
         for seq, row in zip(wanted, out.clone(), strict=True):  # clone: hand out ordinary tensors
@@ -233,6 +237,20 @@ class TorchExecutor(BatchChecker):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepOutput(sampled=sampled, elapsed_s=time.perf_counter() - t0, logits=logits)
+
+    def _copy(self, copies: list[CopyOp]) -> None:
+        """Run the tier copies in order, timing them (the node reports the cost in its CacheState)."""
+        t0 = time.perf_counter()
+        for op in copies:
+            if op.kind == "d2h":
+                self.host_kv[:, :, op.dst].copy_(self.device_kv[:, :, op.src])
+            else:
+                self.device_kv[:, :, op.dst].copy_(self.host_kv[:, :, op.src])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        per_block = (time.perf_counter() - t0) / len(copies)
+        prev = self._copy_s_per_block
+        self._copy_s_per_block = per_block if prev == 0.0 else 0.8 * prev + 0.2 * per_block
 
     def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """Pack all new tokens for the matmuls; attention is per seq over its block table."""

@@ -237,6 +237,9 @@ class CacheState(_Frozen):
     sessions: list[SessionResidency] = Field(default_factory=list)
     node_time_s: Seconds = 0.0
     version: Annotated[int, Field(ge=0, le=_UINT64_MAX)] = 0
+    # a host-tier reload's cost per token on this node (0: no host tier, or not known yet); the router
+    # and the pin rule price a context on host by it
+    host_reload_s_per_token: Seconds = 0.0
 
     @property
     def kv_utilization(self) -> float:

@@ -493,6 +493,7 @@ class CacheState(_message.Message):
     SESSIONS_FIELD_NUMBER: _builtins.int
     NODE_TIME_S_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    HOST_RELOAD_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model_name: _builtins.str
     block_size: _builtins.int
@@ -506,6 +507,10 @@ class CacheState(_message.Message):
     prefill_backlog_tokens: _builtins.int
     node_time_s: _builtins.float
     version: _builtins.int
+    host_reload_s_per_token: _builtins.float
+    """seconds to copy one token's KV from this node's host tier back to its device, as the node measured
+    (torch executor) or was configured (cost model, vLLM node); 0: no host tier, or not known yet
+    """
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionResidency]: ...
     def __init__(
@@ -525,10 +530,11 @@ class CacheState(_message.Message):
         sessions: _abc.Iterable[Global___SessionResidency] | None = ...,
         node_time_s: _builtins.float = ...,
         version: _builtins.int = ...,
+        host_reload_s_per_token: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

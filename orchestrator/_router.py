@@ -4,6 +4,9 @@ A node holding a session's KV (or a prefix shared across sessions) saves recompu
 is long the turn waits longer there than a cold node takes to recompute. So each candidate is priced::
 
     cost = wait + prefill_s(context - warm, warm) + host_reload_s_per_token * warm_on_host
+
+``host_reload_s_per_token`` is the node's own figure when its ``CacheState`` reports one (a torch node
+measures its copies, a modeled or vLLM node reports its configured cost), else the router's default.
     wait = backlog_s + Σ pending prefill_s + decode_s_per_running_seq * (num_running + num_pending)
 
 ``backlog_s`` spreads ``prefill_backlog_tokens`` evenly over the ``num_waiting`` requests (priced as one long
@@ -217,9 +220,16 @@ class Router:
         pending_s = sum(self._prefill(p.new_tokens, p.cached_tokens) for p in node.pending.values())
         wait_s = backlog_s + pending_s + self.decode_s_per_running_seq * (st.num_running + len(node.pending))
         warm, host = self._warm(address, req)
-        cost_s = wait_s + self._prefill(req.context_tokens - warm, warm) + self.host_reload_s_per_token * host
+        cost_s = wait_s + self._prefill(req.context_tokens - warm, warm) + self.host_reload_s(address) * host
         num_queued = st.num_waiting + st.num_running + len(node.pending)
         return NodeView(address, warm, host, wait_s, cost_s, st.kv_utilization, num_queued)
+
+    def host_reload_s(self, address: str) -> float:
+        """Seconds per token to bring a context back from ``address``'s host tier: what the node reports,
+        else this router's default."""
+        node = self._nodes.get(address)
+        reported = node.state.host_reload_s_per_token if node is not None else 0.0
+        return reported if reported > 0.0 else self.host_reload_s_per_token
 
     def _forget_prefixes(self, address: str) -> None:
         for nodes in self._prefix_nodes.values():

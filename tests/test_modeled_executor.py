@@ -98,6 +98,16 @@ def test_mixed_step(cm: CostModel) -> None:
     assert cm.step_time(ScheduledBatch()) == 0.0
 
 
+def test_modeled_node_reports_its_cost_model_s_copy_back(cm: CostModel) -> None:
+    """The CacheState's host_reload_s_per_token is the clock's own copy cost, 0 without a host tier."""
+    from engine_adapter._engine import EngineCore
+
+    with_tier = ModeledExecutor(cm, num_device_blocks=8, num_host_blocks=4)
+    assert with_tier.host_reload_s_per_token == pytest.approx(COPY / 16)
+    assert ModeledExecutor(cm, num_device_blocks=8).host_reload_s_per_token == 0.0
+    assert EngineCore(with_tier).cache_state().host_reload_s_per_token == pytest.approx(COPY / 16)
+
+
 def test_offloads_overlap_compute_when_the_profile_says_so(cm: CostModel) -> None:
     """GPU profiles run device->host copies beside the step: a step costs the longer of its compute (with
     reloads, which the turn waits for) and its offloads; inline (the default) they add up."""

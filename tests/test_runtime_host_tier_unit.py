@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from workflows._runtime import HintRuntime
 
 
@@ -26,3 +28,41 @@ def test_a_policy_object_passed_in_is_left_as_configured() -> None:
     rt = HintRuntime(["127.0.0.1:1"], policy=mine)
     rt.note_host_tier("127.0.0.1:1", True)
     assert mine.host_reload is None  # type: ignore[attr-defined]
+
+
+def _state(node_id: str, host_reload_s_per_token: float, on_host: str = ""):  # type: ignore[no-untyped-def]
+    from hints import CacheState, SessionResidency
+
+    sessions = [SessionResidency(session_id=on_host, program_id="p", device_tokens=0, host_tokens=1600,
+                                 pinned=False, state="parked")] if on_host else []
+    return CacheState(node_id=node_id, model_name="m", block_size=16, total_blocks=10, free_blocks=10,
+                      pinned_blocks=0, host_total_blocks=200, host_free_blocks=100, num_waiting=0, num_running=0,
+                      prefill_backlog_tokens=0, sessions=sessions, host_reload_s_per_token=host_reload_s_per_token)
+
+
+def test_pins_and_routes_use_each_node_s_own_reload_cost_once_it_reports_one() -> None:
+    """A node's CacheState carries its copy-back cost (a torch node measures it): the router prices a
+    context on that node's host by it, and the pins by the slowest node's, read at each decision."""
+    from orchestrator._router import RouteRequest
+
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    rt = HintRuntime([a, b])
+    rt.note_host_tier(a, True)
+    rt.note_host_tier(b, True)
+    reload = rt.policy.host_reload  # type: ignore[attr-defined]
+    default = rt.router.host_reload_s_per_token
+    rt.router.update(a, _state("na", 0.0), 0.0)  # reports none yet: the router's default
+    rt.router.update(b, _state("nb", 3e-5), 0.0)
+    assert rt.router.host_reload_s(a) == default and rt.router.host_reload_s(b) == 3e-5
+    assert reload(1000) == max(default, 3e-5) * 1000
+    rt.router.update(a, _state("na", 5e-5), 0.0)  # measured later: taken at the next decision
+    assert reload(1000) == 5e-5 * 1000
+    rt.router.update(b, _state("nb", 1e-6), 1.0)
+    assert reload(1000) == 5e-5 * 1000  # the slowest node's
+    # routing: the same context on host at either node costs each node's own copy back
+    rt.router.update(a, _state("na", 5e-5, on_host="p/s"), 2.0)
+    rt.router.update(b, _state("nb", 1e-6, on_host="p/s"), 2.0)
+    req = RouteRequest("p/s", "p", 1600)
+    va, vb = rt.router._view(a, req), rt.router._view(b, req)
+    assert va.host_tokens == vb.host_tokens == 1600
+    assert va.cost_s - vb.cost_s == pytest.approx((5e-5 - 1e-6) * 1600)

@@ -139,6 +139,19 @@ def test_offload_reload_round_trip(ex: TorchExecutor) -> None:
     assert ex.read_blocks("host", [5, 2]) == ex.read_blocks("device", [30, 9])
 
 
+def test_the_node_measures_what_a_copy_between_tiers_costs(ex: TorchExecutor) -> None:
+    """0 until it has copied anything (the router then keeps its default), then the measured cost per token,
+    a moving average; a node without a host tier reports 0."""
+    assert ex.host_reload_s_per_token == 0.0
+    ex.execute(ScheduledBatch(copies=[CopyOp("d2h", b, b) for b in range(4)]))
+    first = ex.host_reload_s_per_token
+    assert 0.0 < first < 0.01  # seconds per token: a 16-token block copies in well under 0.16 s here
+    ex.execute(ScheduledBatch(copies=[CopyOp("h2d", b, b) for b in range(4)]))
+    assert ex.host_reload_s_per_token > 0.0 and ex.host_reload_s_per_token != first
+    no_tier = TorchExecutor(TorchModelConfig(), num_device_blocks=4, num_host_blocks=0, device="cpu")
+    assert no_tier.host_reload_s_per_token == 0.0
+
+
 def test_copy_order_offload_then_reuse_block(ex: TorchExecutor) -> None:
     """An offload may free a device block that a reload in the same step fills: order matters."""
     ex.write_blocks("device", [4], bytes([1]) * ex.layout.block_nbytes)

@@ -76,7 +76,8 @@ def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> 
         st = cache_state(sched, include_sessions=True)
         pa = [x for x in st.sessions if x.session_id == "pa"]
         out["cache_state"] = {"host_total_blocks": st.host_total_blocks, "host_free_blocks": st.host_free_blocks,
-                              "pa_host_tokens": pa[0].host_tokens if pa else None}  # fmt: skip
+                              "pa_host_tokens": pa[0].host_tokens if pa else None,
+                              "host_reload_s_per_token": st.host_reload_s_per_token}  # fmt: skip
     out["again"] = run(a, program_id="pa", is_last_turn=True)  # under hintflow: releases program pa
     for seed in (5, 6, 7):
         run(_prompt(seed))
@@ -190,6 +191,9 @@ def test_the_routers_cache_state_shows_the_host_tier(report: dict[str, Any]) -> 
     assert st["host_total_blocks"] == HOST_TOKENS // 128
     assert 0 < st["host_free_blocks"] < st["host_total_blocks"]
     assert st["pa_host_tokens"] >= 1280  # program pa's 11 full blocks, flooded off the device
+    from engine_adapter.vllm_backend._host_index import HOST_RELOAD_S_PER_TOKEN
+
+    assert st["host_reload_s_per_token"] == HOST_RELOAD_S_PER_TOKEN  # the node's one figure, for the router
 
 
 def test_hintflow_skips_saving_a_last_turn_and_counts_host_hits(report: dict[str, Any]) -> None:

@@ -238,8 +238,14 @@ class HintRuntime:
         set_host_reload = getattr(self.policy, "set_host_reload", None)
         if set_host_reload is None or every == (getattr(self.policy, "host_reload", None) is not None):
             return
-        per_token_s = self.router.host_reload_s_per_token
-        set_host_reload((lambda n: per_token_s * n) if every else None)
+        router, engines = self.router, list(self.engines)
+
+        def copy_back_s(n: int) -> float:
+            # the slowest node's copy (the policy does not know where a session is), read at each decision
+            # so that a torch node's measured cost, once it has copied anything, takes over the default
+            return n * max(router.host_reload_s(a) for a in engines)
+
+        set_host_reload(copy_back_s if every else None)
         logger.info("host tier on every engine: %s; pins priced by %s", every, "the copy back" if every else "re-prefill")
 
     async def _tick_loop(self) -> None:

@@ -73,6 +73,7 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
             sessions=sessions,
             node_time_s=sched.book.clock(),
             version=version,
+            host_reload_s_per_token=float(getattr(sched, "host_reload_s_per_token", 0.0)),
         )
 
 

@@ -123,18 +123,23 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             self.host_tier.save_filter = _worth_saving
             self.host_tier.session_key = self._session_key
             self.book.on_forget = self.host_tier.end_session
+        # One figure for a copy back from the host, used by this node's own pin rule and reported in its
+        # CacheState for the router and the orchestrator's pins (0: no host tier)
+        self.host_reload_s_per_token = (
+            float(os.environ.get("HINTFLOW_HOST_RELOAD_S_PER_TOKEN", str(HOST_RELOAD_S_PER_TOKEN)))
+            if self.host_tier is not None else 0.0
+        )
         self.infer: HintInference | None = None
         if infer_enabled():
             env = os.environ.get
             reload = env("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
-            host_reload = float(env("HINTFLOW_HOST_RELOAD_S_PER_TOKEN", str(HOST_RELOAD_S_PER_TOKEN)))
             self.infer = HintInference(
                 self.book,
                 backlog_tokens=self.prefill_backlog_tokens,
                 defer_s=float(env("HINTFLOW_INFER_DEFER_S", "60")),
                 reload_s_per_token=float(reload) if reload else None,
                 silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
-                host_reload_s_per_token=host_reload if self.host_tier is not None else None,
+                host_reload_s_per_token=self.host_reload_s_per_token if self.host_tier is not None else None,
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self._next_log_s = 0.0
