@@ -67,7 +67,7 @@ class HostTier(SessionTable):
         would cost a turn that is ready now (measured in replay: about 70% more offloads, a longer queue).
         The prefetch is dropped; the session's turn reloads its host blocks on admission instead.
         """
-        if self._waiting_sessions():
+        if self._any_waiting():
             self.stats.skipped_prefetches += 1
             return
         n = min(len(s.host_block_ids), self.device.num_free_blocks)

@@ -131,15 +131,13 @@ class SessionTable:
         self._maybe_waiting[s] = None
         self._refresh(s)
 
-    def _waiting_sessions(self) -> list[Session]:
-        """The sessions in ``sessions`` that are WAITING, in no particular order (prunes ``_maybe_waiting``)."""
-        out = []
+    def _any_waiting(self) -> bool:
+        """Whether any session in ``sessions`` is WAITING (prunes ``_maybe_waiting`` up to the first)."""
         for s in list(self._maybe_waiting):
             if s.state is SessionState.WAITING and self.sessions.get(s.session_id) is s:
-                out.append(s)
-            else:
-                del self._maybe_waiting[s]  # (set_waiting puts it back when it waits again)
-        return out
+                return True
+            del self._maybe_waiting[s]  # (set_waiting puts it back when it waits again)
+        return False
 
     def _waiting_victim(self, exclude: Session | None) -> Session | None:
         """Last resort before preempting a running request: the context of a queued turn."""
@@ -150,10 +148,15 @@ class SessionTable:
 
         best: Session | None = None
         best_key: tuple[int, float, int] | None = None
-        for s in self._waiting_sessions():
-            if s is exclude or len(s.block_ids) <= s.pinned_blocks:
+        # (runs for every allocation that must evict: the cheap test first, since most queued turns of an
+        # overloaded node hold nothing; then the state check; the key once per candidate)
+        sessions = self.sessions
+        for s in self._maybe_waiting:
+            if len(s.block_ids) <= s.pinned_blocks or s is exclude:
                 continue
-            key = order(s)  # once per session (this runs for every allocation that must evict)
+            if s.state is not SessionState.WAITING or sessions.get(s.session_id) is not s:
+                continue
+            key = order(s)
             if best_key is None or key > best_key:
                 best, best_key = s, key
         return best

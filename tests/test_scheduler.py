@@ -158,6 +158,28 @@ def test_cold_prefill_budget_lets_warm_resume_through() -> None:
     core.check_invariants()
 
 
+@pytest.mark.parametrize(("lookahead", "warm_first_step"), [(64, True), (2, False)])
+def test_a_warm_resume_overtakes_at_most_admission_lookahead_queued_requests(
+    lookahead: int, warm_first_step: bool
+) -> None:
+    """Behind three queued cold prompts a warm resume starts in the first step when the admission pass may
+    look that deep, and waits for the queue ahead when it may look only two requests in (the bound that
+    keeps an overloaded node's step from re-planning thousands of queued requests)."""
+    core = make_core(blocks=400, max_num_batched_tokens=256, cold_prefill_budget_tokens=64,
+                     warm_threshold_tokens=32, max_num_seqs=2, admission_lookahead=lookahead)
+    rng = random.Random(4)
+    warm_prompt = rand_tokens(rng, 100)
+    r0 = core.submit(warm_prompt, 1, session_id="warm")
+    core.run_until_idle()
+    colds = [core.submit(rand_tokens(rng, 600), 1, session_id=f"cold{i}") for i in range(3)]
+    warm = core.submit(warm_prompt + r0.output + rand_tokens(rng, 10), 1, session_id="warm")
+    core.step()
+    assert (warm.first_token_s is not None) is warm_first_step
+    core.run_until_idle()
+    assert warm.output and all(c.output for c in colds)
+    core.check_invariants()
+
+
 def test_cold_prefill_uses_whole_budget_when_alone() -> None:
     core = make_core(blocks=200, max_num_batched_tokens=256, cold_prefill_budget_tokens=64)
     req = core.submit(list(range(500)), 1, session_id="c")
