@@ -104,7 +104,14 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
 
         vllm_replay(ctx, _tqdm_progress(progress))
         return
-    from replay._report import dump_json, render_table, report_json, step_time_check, write_plots
+    from replay._report import (
+        dump_json,
+        overload_note,
+        render_table,
+        report_json,
+        step_time_check,
+        write_plots,
+    )
     from replay._setup import ReplaySetup, run_replay
 
     try:
@@ -132,6 +139,8 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
                f"host {setup.host_capacity_tokens:,} tokens/node, cost model {setup.cost_model}, "
                f"{wall_s:.1f} s wall")
     click.echo(render_table(report))
+    if note := overload_note(report):
+        click.echo(note)
     if executor == "torch":
         click.echo(step_time_check(report))
     if json_out:

@@ -25,7 +25,8 @@ import numpy as np
 from replay._setup import ReplaySetup
 from replay._sim import SimResult
 
-__all__ = ["REQUIRED_KEYS", "metrics", "render_table", "report_json", "step_time_check", "write_plots"]
+__all__ = ["REQUIRED_KEYS", "metrics", "overload_note", "render_table", "report_json", "step_time_check",
+           "write_plots"]
 
 REQUIRED_KEYS = ("jct_mean_s", "jct_p50_s", "jct_p90_s", "jct_p99_s", "ttft_p50_s", "ttft_p90_s",
                  "ttft_p99_s", "across_turn_hit_rate", "within_turn_hit_rate", "recomputed_tokens",
@@ -139,6 +140,22 @@ def render_table(report: dict[str, Any]) -> str:
     if refs:
         lines.append(f"\nratios in parentheses: × {' / × '.join(refs)}")
     return "\n".join(lines)
+
+
+def overload_note(report: dict[str, Any], share: float = 0.5) -> str:
+    """A warning when even the policy that queued least spent over ``share`` of its programs' time queued:
+    the nodes cannot serve the load, and the figures compare backlogs, not serving (empty otherwise)."""
+    queued: dict[str, float] = {}
+    for name, m in report["policies"].items():
+        job_s = m["jct_mean_s"] * m["num_programs"]
+        if job_s > 0:
+            queued[name] = m["queue_wait_mean_s"] * m["num_turns"] / job_s
+    if not queued or min(queued.values()) <= share:
+        return ""
+    best = min(queued, key=lambda n: queued[n])
+    return (f"note: the nodes are overloaded: even {best} spent {queued[best]:.0%} of its programs' time queued, "
+            f"so these figures compare backlogs; for serving figures add nodes (--nodes) or lower the load "
+            f"(--rate, --programs)")
 
 
 def step_time_check(report: dict[str, Any]) -> str:

@@ -225,3 +225,16 @@ def test_queue_anatomy_script_reports_each_policy() -> None:
     rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
     assert {"kvflow", "oracle"} <= set(rows)
     assert "%" in rows["kvflow"]
+
+
+def test_overload_note_fires_only_when_even_the_least_queued_policy_mostly_queued() -> None:
+    from replay._report import overload_note
+
+    def pol(jct: float, wait: float) -> dict[str, float]:
+        return {"jct_mean_s": jct, "num_programs": 10, "queue_wait_mean_s": wait, "num_turns": 100}
+
+    busy = {"policies": {"a": pol(100.0, 8.0), "b": pol(120.0, 9.0)}}  # 80% and 75% of job time queued
+    note = overload_note(busy)
+    assert "overloaded" in note and "even b" in note and "75%" in note
+    assert overload_note({"policies": {"a": pol(100.0, 8.0), "oracle": pol(50.0, 0.1)}}) == ""
+    assert overload_note({"policies": {}}) == ""
