@@ -29,7 +29,7 @@ from engine_adapter._cost_model import CostModel
 from engine_adapter._executor import CopyOp, ScheduledBatch, ScheduledSeq
 from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig
 
-__all__ = ["FULL_PLAN", "QUICK_PLAN", "ProfilePlan", "fit_nonneg", "profile_torch_executor"]
+__all__ = ["FULL_PLAN", "LARGE_PLAN", "PLANS", "QUICK_PLAN", "ProfilePlan", "fit_nonneg", "profile_torch_executor"]
 
 _PREFILL_NOTE = (
     "the (p+n)^2-p^2 form describes causal kernels that skip masked tiles (FlashAttention); TorchExecutor's "
@@ -64,6 +64,20 @@ FULL_PLAN = ProfilePlan(
     decode_contexts=(16, 256, 1024, 2048),
     copy_blocks=(1, 4, 16, 64, 128),
 )
+# A real-size model on a GPU (an 8B shape in bf16 on one H200): the replay's steps, one-shot prefills up to
+# the 8,192-token step budget, chunks at offsets into a 24k context, decodes of up to 64 sequences.  The
+# executor holds every decode point's blocks at once: 64 x 8,192 positions, 64 GiB of an 8B model's KV at
+# 128 KiB a token, beside 16 GB of weights.  Needs max_model_len >= 24,576.
+LARGE_PLAN = ProfilePlan(
+    lengths=(128, 512, 1024, 2048, 4096, 6144, 8192),
+    chunks=((512, 2048), (2048, 2048), (2048, 8192), (4096, 4096), (4096, 12288), (8192, 8192),
+            (8192, 16384)),
+    decode_batches=(1, 4, 16, 32, 64),
+    decode_contexts=(256, 2048, 8192),
+    copy_blocks=(1, 16, 64, 256),
+)
+PLANS = {"quick": QUICK_PLAN, "full": FULL_PLAN, "large": LARGE_PLAN}
+"""The plans by name (``hintflow engine profile --plan``)."""
 
 
 def fit_nonneg(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
@@ -94,13 +108,15 @@ def profile_torch_executor(
     copy_blocks: Sequence[int] | None = None,
     repeats: int = 3,
     quick: bool = False,
+    plan: str | None = None,
     device: str | None = "cpu",
     threads: int | None = None,
     clock: Literal["wall", "cpu"] | None = None,
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> CostModel:
-    """Time real steps of a fresh TorchExecutor and fit a CostModel; unset point lists use the plan.
+    """Time real steps of a fresh TorchExecutor and fit a CostModel; unset point lists use the plan
+    (``plan`` by name from :data:`PLANS`; else quick or full by ``quick``).
 
     ``threads`` pins torch's intra-op threads for the run (restored after).  On a small shared CPU one
     thread gives stable numbers: with every core requested, a neighbour's process stalls each parallel
@@ -113,15 +129,18 @@ def profile_torch_executor(
     """
     t_start = time.perf_counter()
     cfg = config or TorchModelConfig()
-    base = QUICK_PLAN if quick else FULL_PLAN
-    plan = ProfilePlan(
+    if plan is not None and plan not in PLANS:
+        raise ValueError(f"unknown profile plan {plan!r}; known: {', '.join(PLANS)}")
+    plan_name = plan or ("quick" if quick else "full")
+    base = PLANS[plan_name]
+    points_plan = ProfilePlan(
         tuple(lengths or base.lengths),
         tuple(chunks if chunks is not None else base.chunks),
         tuple(decode_batches or base.decode_batches),
         tuple(decode_contexts or base.decode_contexts),
         tuple(copy_blocks or base.copy_blocks),
     )
-    _validate(plan, cfg, repeats, threads)
+    _validate(points_plan, cfg, repeats, threads)
     before = torch.get_num_threads()
     if clock is None:
         clock = "cpu" if (threads or before) == 1 and _resolve(device).type == "cpu" else "wall"
@@ -129,7 +148,7 @@ def profile_torch_executor(
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     torch.set_num_threads(threads or before)
     try:
-        ex, batches, points = _build(plan, cfg, device)
+        ex, batches, points = _build(points_plan, cfg, device)
         (progress or (lambda _m: None))(
             f"timing {len(batches)} steps x {repeats} rounds (each after a warm-up call)"
         )
@@ -146,12 +165,13 @@ def profile_torch_executor(
 
     duration = time.perf_counter() - t_start
     day = datetime.now(UTC).strftime("%Y-%m-%d")
-    how = f"{'quick' if quick else 'full'} plan, median of {repeats}, {clock} clock"
+    how = f"{plan_name} plan, median of {repeats}, {clock} clock"
     tiny = dataclasses.replace(cfg, seed=0) == TorchModelConfig()
     size = "tiny" if tiny else f"h{cfg.hidden_size}-l{cfg.num_layers}"
     fit: dict[str, Any] = {
         "method": "numpy.linalg.lstsq on relative error (rows weighted 1/t); negatives clamped to 0, refit",
-        "quick": quick,
+        "quick": plan_name == "quick",
+        "plan": plan_name,
         "repeats": repeats,
         "clock": clock,
         "duration_s": round(duration, 2),
@@ -180,7 +200,7 @@ def profile_torch_executor(
         decode_per_ctx_token_s=float(d_coef[2]),
         copy_per_block_s=float(c_coef[1]),
         block_size=cfg.block_size,
-        max_batched_tokens=max(plan.lengths),  # the fit has seen one-shot steps up to this size
+        max_batched_tokens=max(points_plan.lengths),  # the fit has seen one-shot steps up to this size
         kv_bytes_per_token=ex.layout.block_nbytes // cfg.block_size,
         fit=fit,
     )

@@ -291,6 +291,13 @@ async def _serve(cfg: Any) -> None:
     "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="JSON file to write."
 )
 @click.option("--quick", is_flag=True, help="Fewer points: ~2 s with the tiny model (full plan: ~10 s).")
+@click.option(
+    "--plan",
+    type=click.Choice(["quick", "full", "large"]),
+    default=None,
+    help="Which points: quick, full (the default), or large (a real-size model on a GPU: prefills to 8k, "
+    "contexts to 24k, 64-sequence decodes; needs --max-model-len 24576).",
+)
 @click.option("--name", default=None, help="Profile name (default: DEVICE-tiny, or DEVICE-hHIDDEN-lLAYERS).")
 @click.option(
     "--repeats",
@@ -326,6 +333,7 @@ async def _serve(cfg: Any) -> None:
 def profile(
     out: Path,
     quick: bool,
+    plan: str | None,
     name: str | None,
     repeats: int,
     threads: int | None,
@@ -345,6 +353,7 @@ def profile(
             TorchModelConfig(**model),  # inside the try: a bad size combination is a usage error
             repeats=repeats,
             quick=quick,
+            plan=plan,
             device=device,
             threads=threads,
             clock="cpu" if clock == "cpu" else "wall" if clock == "wall" else None,

@@ -313,3 +313,25 @@ def test_cli_profile(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "R²" in result.output and load_cost_model(out).name == "cpu-tiny"
+
+
+def test_profile_plans_by_name_and_the_large_plan_s_needs(tmp_path: Path) -> None:
+    """``--plan`` picks the points; the large one (a real-size model on a GPU, scripts/device_profile.sh)
+    needs a 24k-position model, and says so before building anything; an unknown name lists the known."""
+    from engine_adapter._profile import LARGE_PLAN, PLANS, _validate
+    from hintflow.cli import hintflow
+
+    assert set(PLANS) == {"quick", "full", "large"}
+    _validate(LARGE_PLAN, TorchModelConfig(max_model_len=24576), 1, None)
+    with pytest.raises(ValueError, match="max_model_len=4096"):
+        _validate(LARGE_PLAN, TorchModelConfig(), 1, None)
+    with pytest.raises(ValueError, match="known: quick, full, large"):
+        profile_torch_executor(plan="huge")
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(hintflow, ["engine", "profile", "--out", str(out), "--plan", "large"])
+    assert result.exit_code != 0 and "max_model_len=4096" in result.output  # a usage error, nothing built
+    result = CliRunner().invoke(
+        hintflow, ["engine", "profile", "--out", str(out), "--plan", "quick", "--threads", "1", "--repeats", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["fit"]["plan"] == "quick"
