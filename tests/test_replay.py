@@ -142,6 +142,8 @@ def test_report_has_required_keys(all_results) -> None:  # type: ignore[no-untyp
         assert set(REQUIRED_KEYS) <= set(m)
         assert 0.0 <= m["across_turn_hit_rate"] <= 1.0
     assert report["config"]["kv_capacity_tokens"] > 0
+    coeffs = report["config"]["cost_model_coefficients"]  # what priced the steps, at the replay's block size
+    assert coeffs["block_size"] == 16 and "offload_overlaps_compute" in coeffs and coeffs["decode_base_s"] > 0
 
 
 def _pipeline(join: str) -> Program:
