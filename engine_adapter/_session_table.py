@@ -133,11 +133,16 @@ class SessionTable:
 
     def _any_waiting(self) -> bool:
         """Whether any session in ``sessions`` is WAITING (prunes ``_maybe_waiting`` up to the first)."""
-        for s in list(self._maybe_waiting):
+        stale = []
+        found = False
+        for s in self._maybe_waiting:
             if s.state is SessionState.WAITING and self.sessions.get(s.session_id) is s:
-                return True
+                found = True
+                break
+            stale.append(s)
+        for s in stale:
             del self._maybe_waiting[s]  # (set_waiting puts it back when it waits again)
-        return False
+        return found
 
     def _waiting_victim(self, exclude: Session | None) -> Session | None:
         """Last resort before preempting a running request: the context of a queued turn."""
