@@ -29,7 +29,7 @@ case "${1:-}" in
     ;;
   run)
     shift
-    if compgen -G ".whl/*.whl" > /dev/null; then
+    if ! python3 -c 'import pydantic' 2> /dev/null && compgen -G ".whl/*.whl" > /dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
     fi

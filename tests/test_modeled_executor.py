@@ -335,3 +335,19 @@ def test_profile_plans_by_name_and_the_large_plan_s_needs(tmp_path: Path) -> Non
     )
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["fit"]["plan"] == "quick"
+
+
+def test_device_profile_script_runs_its_path_on_a_cpu(tmp_path: Path) -> None:
+    """scripts/device_profile.sh's `run` (meant for a lent GPU) on this CPU with the tiny shape and the quick
+    plan: it writes the profile and its log where the device tool collects them."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "PROFILE_DEVICE": "cpu", "PROFILE_SHAPE": "--max-model-len 4096"}
+    r = subprocess.run(["bash", str(root / "scripts" / "device_profile.sh"), "run", "--plan", "quick", "--threads",
+                        "1", "--repeats", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    prof = load_cost_model(tmp_path / "h200-llama3-8b.json")
+    assert prof.fit is not None and prof.fit["plan"] == "quick" and prof.decode_base_s > 0
+    assert "wrote" in (tmp_path / "profile.log").read_text()
