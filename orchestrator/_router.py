@@ -4,10 +4,10 @@ A node holding a session's KV (or a prefix shared across sessions) saves recompu
 is long the turn waits longer there than a cold node takes to recompute. So each candidate is priced::
 
     cost = wait + prefill_s(context - warm, warm) + host_reload_s_per_token * warm_on_host
+    wait = backlog_s + Σ pending prefill_s + decode_s_per_running_seq * (num_running + num_pending)
 
 ``host_reload_s_per_token`` is the node's own figure when its ``CacheState`` reports one (a torch node
 measures its copies, a modeled or vLLM node reports its configured cost), else the router's default.
-    wait = backlog_s + Σ pending prefill_s + decode_s_per_running_seq * (num_running + num_pending)
 
 ``backlog_s`` spreads ``prefill_backlog_tokens`` evenly over the ``num_waiting`` requests (priced as one long
 prompt, the quadratic term would overcharge it). *Pending* turns are those this router sent

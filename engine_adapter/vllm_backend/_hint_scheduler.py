@@ -139,7 +139,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 defer_s=float(env("HINTFLOW_INFER_DEFER_S", "60")),
                 reload_s_per_token=float(reload) if reload else None,
                 silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
-                host_reload_s_per_token=self.host_reload_s_per_token if self.host_tier is not None else None,
+                host_reload_s_per_token=self.host_reload_s_per_token or None,  # None: no host tier
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self._next_log_s = 0.0
