@@ -50,7 +50,7 @@ class SchedulerSettings(_Section):
     warm_threshold_tokens: int = Field(default=256, ge=0)
     program_fcfs_aging_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     ttft_deadline_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
-    admission_lookahead: int = Field(default=256, ge=1)
+    admission_lookahead: int = Field(default=64, ge=1)
 
 
 class ModelSettings(_Section):

@@ -10,7 +10,15 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from engine_adapter._config import ConfigError, EngineConfig, ModelSettings, build_engine, load_engine_config
+from engine_adapter._config import (
+    ConfigError,
+    EngineConfig,
+    ModelSettings,
+    SchedulerSettings,
+    build_engine,
+    load_engine_config,
+)
+from engine_adapter._scheduler import SchedulerConfig
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +58,12 @@ def test_model_settings_mirror_torch_model_config() -> None:
 
     torch_defaults = {f.name: f.default for f in dataclasses.fields(TorchModelConfig)}
     assert ModelSettings().model_dump() == torch_defaults
+
+
+def test_scheduler_settings_mirror_scheduler_config() -> None:
+    """A served node and an embedded one (replay, tests) must schedule alike by default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
+    assert SchedulerSettings().model_dump() == defaults
 
 
 def test_precedence_defaults_yaml_env_explicit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
