@@ -167,16 +167,22 @@ def make_runtime(
     engines: Sequence[str], policy: str, cost_model: str | None, routing: str | None = None
 ) -> Any:
     """A HintRuntime; with a cost model (bundled profile name or JSON path) its prefill times are the
-    router's recompute estimate and the prior of the learned PrefillReload."""
+    router's recompute estimate and the prior of the learned PrefillReload.  ``routing`` defaults to
+    what the policy's system does: session affinity for ``vllm-default`` (vLLM's production stack),
+    hintflow's cost routing for the others."""
+    from orchestrator import POLICIES, parse_policy_spec
     from workflows import HintRuntime
 
+    if routing is None:
+        routing = "session" if parse_policy_spec(policy, POLICIES).name == "vllm-default" else "hintflow"
     if cost_model is None:
-        return HintRuntime(engines, policy)
+        return HintRuntime(engines, policy, routing=routing)
     from engine_adapter._cost_model import load_cost_model
 
     cm = load_cost_model(cost_model)
     return HintRuntime(
-        engines, policy, prefill_s=lambda n, p: cm.prefill_time(n, p), prefill_reload_s=cm.prefill_reload_s
+        engines, policy, routing=routing, prefill_s=lambda n, p: cm.prefill_time(n, p),
+        prefill_reload_s=cm.prefill_reload_s,
     )
 
 

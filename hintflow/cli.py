@@ -555,10 +555,24 @@ def _exit_after_temporal(status: int) -> None:
     os._exit(status)
 
 
+def _check_policy(spec: str) -> None:
+    """``NAME[:KEY=VALUE,...]`` (orchestrator._policy_spec), or a usage error naming what is wrong."""
+    from orchestrator import POLICIES, parse_policy_spec
+
+    try:
+        parse_policy_spec(spec, POLICIES)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--policy") from None
+
+
+_POLICY_HELP = ("Hint policy by name, with options as NAME:KEY=VALUE,... (rel_change, renew_ahead_s, "
+                "pause.min_samples, pause.default_mean_s, pause.capacity), e.g. hintflow:rel_change=0.05.")
+
+
 @hintflow.command("worker")
 @_temporal_options
 @click.option("--task-queue", default="hintflow", show_default=True)
-@click.option("--policy", default="hintflow", show_default=True, help="Hint policy by name.")
+@click.option("--policy", default="hintflow", show_default=True, help=_POLICY_HELP)
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve /metrics here.")
 @click.option(
     "--cost-model", default=None, help="Engine cost model (profile name or JSON) for routing and pin TTLs."
@@ -576,10 +590,8 @@ def worker(
     import logging
 
     from hintflow._run import run_worker
-    from orchestrator import POLICIES
 
-    if policy not in POLICIES:
-        raise click.BadParameter(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}")
+    _check_policy(policy)
     _check_cost_model(cost_model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     status = 0
@@ -595,7 +607,7 @@ def worker(
 @click.argument("example")
 @_temporal_options
 @click.option("--programs", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--policy", default="hintflow", show_default=True, help="Hint policy by name.")
+@click.option("--policy", default="hintflow", show_default=True, help=_POLICY_HELP)
 @click.option(
     "--time-scale",
     type=click.FloatRange(min=0.0),
@@ -647,13 +659,11 @@ def run(
     import asyncio
 
     from hintflow._run import RunConfig, run_programs
-    from orchestrator import POLICIES
     from workflows.examples import EXAMPLES
 
     if example not in EXAMPLES:
         raise click.BadParameter(f"unknown example {example!r}; known: {', '.join(sorted(EXAMPLES))}")
-    if kw["policy"] not in POLICIES:
-        raise click.BadParameter(f"unknown policy {kw['policy']!r}; known: {', '.join(sorted(POLICIES))}")
+    _check_policy(kw["policy"])
     overrides: dict[str, Any] = {}
     fields = [f.name for f in dataclasses.fields(EXAMPLES[example].input_type)]
     for s in sets:

@@ -20,11 +20,13 @@ from orchestrator._pause_model import (
 )
 from orchestrator._policy import (
     POLICIES,
+    POLICY_OPTIONS,
     ContinuumPolicy,
     Event,
     HintFlowPolicy,
     HintPolicy,
     KVFlowPolicy,
+    PolicySpec,
     ProgramEnded,
     ThunderAgentPolicy,
     Tick,
@@ -34,6 +36,7 @@ from orchestrator._policy import (
     TurnStarted,
     VLLMDefaultPolicy,
     get_policy,
+    parse_policy_spec,
 )
 from orchestrator._router import (
     ROUTING_POLICIES,
@@ -50,6 +53,7 @@ from orchestrator._ttl import ContinuumTTL, continuum_tau
 
 __all__ = [
     "POLICIES",
+    "POLICY_OPTIONS",
     "ROUTING_POLICIES",
     "ContinuumPolicy",
     "ContinuumTTL",
@@ -64,6 +68,7 @@ __all__ = [
     "NodeView",
     "PauseDistribution",
     "PauseModel",
+    "PolicySpec",
     "ProgramEnded",
     "ProgramGraph",
     "ProgramState",
@@ -82,6 +87,7 @@ __all__ = [
     "default_prefill_s",
     "get_policy",
     "get_routing_policy",
+    "parse_policy_spec",
     "pause_tool",
     "shared_prefix_steps",
     "steps_to_execution",

@@ -29,14 +29,17 @@ from orchestrator._events import (
     TurnStarted,
 )
 from orchestrator._hintflow_policy import HintFlowPolicy
+from orchestrator._policy_spec import POLICY_OPTIONS, PolicySpec, parse_policy_spec
 
 __all__ = [
     "POLICIES",
+    "POLICY_OPTIONS",
     "ContinuumPolicy",
     "Event",
     "HintFlowPolicy",
     "HintPolicy",
     "KVFlowPolicy",
+    "PolicySpec",
     "ProgramEnded",
     "ThunderAgentPolicy",
     "Tick",
@@ -46,6 +49,7 @@ __all__ = [
     "TurnStarted",
     "VLLMDefaultPolicy",
     "get_policy",
+    "parse_policy_spec",
 ]
 
 
@@ -60,8 +64,8 @@ POLICIES: dict[str, Callable[..., HintPolicy]] = {
 
 
 def get_policy(name: str, **kw: Any) -> HintPolicy:
-    """Build the policy registered as ``name``; ValueError listing the known names otherwise."""
-    factory = POLICIES.get(name)
-    if factory is None:
-        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}")
-    return factory(**kw)
+    """Build the policy registered as ``name``, or a spec ``NAME:KEY=VALUE,...`` (``_policy_spec``: its
+    options win over ``kw``); ValueError listing the known names (or options) otherwise."""
+    spec = parse_policy_spec(name, POLICIES)
+    policy: HintPolicy = spec.build(POLICIES, **kw)
+    return policy

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from replay._policies import REPLAY_CONFIGS, parse_policy_list
+from replay._policies import REPLAY_CONFIGS, ReplayConfig, parse_policy_list, parse_variant
 
 __all__ = ["replay_command"]
 
@@ -49,6 +49,13 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 @click.option("--policy", "-p", "policies", default="all", show_default=True,
               help=f"comma-separated: {', '.join(REPLAY_CONFIGS)}; with --backend vllm: vanilla, "
                    "hintflow-infer, hintflow-orchestrator")
+@click.option("--variant", "variants", multiple=True, metavar="NAME=BASE:KEY=VALUE,...",
+              help="a policy with some knobs turned, reported as NAME beside the others (repeatable): "
+                   "BASE is a policy above (or an earlier variant); keys: its fields (routing, "
+                   "eviction_policy, host_tier, cold_prefill_cap, ...), policy.KEY (rel_change, "
+                   "renew_ahead_s, pause.min_samples, pause.default_mean_s, pause.capacity) and "
+                   "scheduler.KEY (SchedulerConfig: max_num_seqs, cold_prefill_budget_tokens, "
+                   "program_fcfs_aging_s, ...), e.g. 'eager=hintflow:policy.rel_change=0.02'")
 @click.option("--nodes", "num_nodes", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--executor", type=click.Choice(["modeled", "torch"]), default="modeled", show_default=True,
               help="modeled: steps priced by the cost model; torch: the tiny torch model computes every step "
@@ -89,7 +96,8 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="vllm: servers' caches, logs, per-program results  [default: TMPDIR/hintflow-replay-vllm]")
 @click.pass_context
-def replay_command(ctx: click.Context, backend: str, workload: str, policies: str, num_nodes: int, executor: str,
+def replay_command(ctx: click.Context, backend: str, workload: str, policies: str, variants: tuple[str, ...],
+                   num_nodes: int, executor: str,
                    rate: float | None, num_programs: int | None, kv_capacity_tokens: int | None,
                    host_capacity_tokens: int | None, cost_model: str | None, block_size: int | None, seed: int,
                    ttft_deadline_s: float | None, scale: float | None, json_out: str | None,
@@ -114,8 +122,14 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
     )
     from replay._setup import ReplaySetup, run_replay
 
+    defined: list[ReplayConfig] = []
     try:
-        configs = parse_policy_list(policies)
+        for text in variants:
+            defined.append(parse_variant(text, defined))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--variant") from None
+    try:
+        configs = parse_policy_list(policies, defined)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--policy") from None
     setup = ReplaySetup(workload=workload, num_programs=num_programs, rate=rate, num_nodes=num_nodes,

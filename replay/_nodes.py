@@ -156,6 +156,7 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=spec.max_num_seqs,
                             cold_prefill_budget_tokens=cold,
                             ttft_deadline_s=spec.ttft_deadline_s if config.ttft_deadline else None)
+    sched = dataclasses.replace(sched, **dict(config.scheduler_options))  # a variant's own settings win
     num_host_blocks = math.ceil(spec.num_host_tokens / bs) if config.host_tier else 0
     num_device_blocks = math.ceil(spec.num_device_tokens / bs)
     nodes = []

@@ -29,9 +29,23 @@ what differs is only what the paper behind it changes.  Why each field exists:
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["REPLAY_CONFIGS", "ReplayConfig", "get_replay_config", "parse_policy_list"]
+from orchestrator._policy_spec import POLICY_OPTIONS, Option, parse_options
+
+__all__ = [
+    "REPLAY_CONFIGS",
+    "SCHEDULER_OPTIONS",
+    "ReplayConfig",
+    "get_replay_config",
+    "parse_policy_list",
+    "parse_variant",
+    "variant_keys",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +64,10 @@ class ReplayConfig:
     ttft_deadline: bool = False  # the replay's --ttft-deadline applies (hintflow's engine option)
     clairvoyant: bool = False  # priority = the program's true remaining work (an analysis row, not a policy)
     description: str = ""
+    # A variant's (``--variant``) options: the hint policy's (``orchestrator.POLICY_OPTIONS``) and the
+    # nodes' ``SchedulerConfig`` fields, each as (key, value) pairs in the order given.
+    policy_options: tuple[tuple[str, Any], ...] = ()
+    scheduler_options: tuple[tuple[str, Any], ...] = ()
 
 
 REPLAY_CONFIGS: dict[str, ReplayConfig] = {
@@ -101,17 +119,98 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
 """Registered replay configurations by name, in the order reports list them."""
 
 
-def get_replay_config(name: str) -> ReplayConfig:
-    """The configuration registered as ``name``; ValueError listing the known names otherwise."""
-    config = REPLAY_CONFIGS.get(name)
+def get_replay_config(name: str, variants: Sequence[ReplayConfig] = ()) -> ReplayConfig:
+    """The configuration registered (or defined by ``--variant``) as ``name``; ValueError listing the known
+    names otherwise."""
+    config = REPLAY_CONFIGS.get(name) or next((v for v in variants if v.name == name), None)
     if config is None:
-        raise ValueError(f"unknown replay policy {name!r}; known: {', '.join(REPLAY_CONFIGS)}")
+        known = [*REPLAY_CONFIGS, *(v.name for v in variants)]
+        raise ValueError(f"unknown replay policy {name!r}; known: {', '.join(known)}")
     return config
 
 
-def parse_policy_list(text: str | None) -> list[ReplayConfig]:
-    """``P1,P2,...`` (or None/"all": every registered one) as configurations, duplicates dropped."""
+def parse_policy_list(text: str | None, variants: Sequence[ReplayConfig] = ()) -> list[ReplayConfig]:
+    """``P1,P2,...`` (or None/"all": every registered one, then the variants) as configurations,
+    duplicates dropped."""
     if text is None or text.strip() in ("", "all"):
-        return list(REPLAY_CONFIGS.values())
+        return [*REPLAY_CONFIGS.values(), *variants]
     names = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    return [get_replay_config(n) for n in names]
+    return [get_replay_config(n, variants) for n in names]
+
+
+# ---- variants: a registered configuration with some knobs turned -------------------------------------
+SCHEDULER_OPTIONS: dict[str, Option] = {
+    "max_num_batched_tokens": Option(int, "token budget of one step", minimum=1),
+    "max_num_seqs": Option(int, "sequences in one step", minimum=1),
+    "cold_prefill_budget_tokens": Option(int, "cold prefill tokens per step while warm work shares it",
+                                         minimum=0),
+    "warm_threshold_tokens": Option(int, "a request computing more than this is cold", minimum=0),
+    "program_fcfs_aging_s": Option(float, "most head start program FCFS gives an older program",
+                                   minimum=0.0, nullable=True),
+    "ttft_deadline_s": Option(float, "a request waiting this long goes first", minimum=0.0, min_open=True,
+                              nullable=True),
+    "admission_lookahead": Option(int, "queued requests an admission pass looks at", minimum=1),
+}
+"""The nodes' ``SchedulerConfig`` fields a variant may set (``scheduler.KEY``)."""
+
+
+def _config_options() -> dict[str, Option]:
+    from engine_adapter._eviction import EVICTION_POLICIES
+    from orchestrator import POLICIES, ROUTING_POLICIES
+
+    out = {
+        "hint_policy": Option(str, "hint policy", choices=tuple(POLICIES)),
+        "routing": Option(str, "routing rule", choices=tuple(ROUTING_POLICIES)),
+        "eviction_policy": Option(str, "engine eviction policy", choices=tuple(EVICTION_POLICIES)),
+    }
+    for f in dataclasses.fields(ReplayConfig):
+        if f.type in ("bool", bool):
+            out[f.name] = Option(bool, "see ReplayConfig")
+    return out
+
+
+def variant_keys() -> dict[str, Option]:
+    """Every key ``--variant`` takes: configuration fields, ``policy.KEY`` and ``scheduler.KEY``."""
+    return {
+        **_config_options(),
+        **{f"policy.{k}": o for k, o in POLICY_OPTIONS.items()},
+        **{f"scheduler.{k}": o for k, o in SCHEDULER_OPTIONS.items()},
+    }
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,39}")
+
+
+def parse_variant(text: str, earlier: Sequence[ReplayConfig] = ()) -> ReplayConfig:
+    """``NAME=BASE:KEY=VALUE,...``: the registered configuration BASE (or an earlier variant) with the given
+    knobs, reported as NAME.  ValueError naming what is wrong (a bad name, an unknown base or key with
+    the known ones, a value of the wrong type)."""
+    where = f"--variant {text!r}"
+    name, sep, rest = text.partition("=")
+    name = name.strip()
+    if not sep or not _NAME.fullmatch(name):
+        raise ValueError(f"{where}: expected NAME=BASE:KEY=VALUE,... with NAME of letters, digits, '_.+-' "
+                         "(at most 40)")
+    if name in REPLAY_CONFIGS or any(v.name == name for v in earlier):
+        raise ValueError(f"{where}: the name {name!r} is already taken")
+    base_name, _, opts = rest.partition(":")
+    try:
+        base = get_replay_config(base_name.strip(), earlier)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    changes: dict[str, Any] = {}
+    policy_opts, sched_opts = dict(base.policy_options), dict(base.scheduler_options)
+    for key, value in parse_options(opts, variant_keys(), where):
+        if key.startswith("policy."):
+            policy_opts[key.removeprefix("policy.")] = value
+        elif key.startswith("scheduler."):
+            sched_opts[key.removeprefix("scheduler.")] = value
+        else:
+            changes[key] = value
+    if not (changes or policy_opts != dict(base.policy_options) or sched_opts != dict(base.scheduler_options)):
+        raise ValueError(f"{where}: no options given (KEY=VALUE after {base.name}:)")
+    summary = opts.strip().replace(",", ", ")
+    return dataclasses.replace(
+        base, name=name, description=f"{base.name} with {summary}", **changes,
+        policy_options=tuple(policy_opts.items()), scheduler_options=tuple(sched_opts.items()),
+    )

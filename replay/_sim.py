@@ -32,14 +32,15 @@ from engine_adapter._executor import VirtualClock
 from engine_adapter._scheduler import Request
 from hints import EvictionOrder, HintModel, Pin, Release
 from orchestrator import (
+    POLICIES,
     HintPolicy,
+    PolicySpec,
     ProgramEnded,
     Tick,
     ToolEnded,
     ToolStarted,
     TurnEnded,
     TurnStarted,
-    get_policy,
 )
 from orchestrator._prefill import PrefillEstimator
 from orchestrator._router import Router, RouteRequest
@@ -93,8 +94,8 @@ class Simulation:
         if config.host_tier:
             per_token_s = cm.copy_per_block_s / cm.block_size
             host_reload = lambda n: per_token_s * n  # noqa: E731
-        self.policy: HintPolicy = get_policy(
-            config.hint_policy, prefill_reload=self.prefill.reload_s, host_reload=host_reload
+        self.policy: HintPolicy = PolicySpec(config.hint_policy, config.policy_options).build(
+            POLICIES, prefill_reload=self.prefill.reload_s, host_reload=host_reload
         )
         self.router = Router(
             cm.prefill_time,

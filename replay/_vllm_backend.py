@@ -43,7 +43,8 @@ VLLM_WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
 all programs, the trace's arrivals, scale 1)."""
 
 MODELED_ONLY = {"cost_model": "--cost-model",
-                "block_size": "--block-size", "ttft_deadline_s": "--ttft-deadline", "plots_dir": "--plots"}
+                "block_size": "--block-size", "ttft_deadline_s": "--ttft-deadline", "plots_dir": "--plots",
+                "variants": "--variant"}
 VLLM_ONLY = {"vllm_python": "--vllm-python", "vllm_model": "--model", "state_dir": "--state-dir"}
 
 
