@@ -232,6 +232,10 @@ class BlockPool:
         self._index[block_hash] = block_id
         self._notify(block_hash)
 
+    def forget(self, block_id: int) -> None:
+        """Take the block out of the prefix index: its contents can no longer be trusted."""
+        self._forget(self.blocks[block_id])
+
     def lookup(self, block_hash: int, parent_hash: int, token_key: Hashable) -> int | None:
         """The block holding exactly these tokens after exactly this parent, or None."""
         block_id = self._index.get(block_hash)

@@ -2,7 +2,9 @@
 
 Export flushes pending tier copies first and reads the context's blocks (device, then host) as bytes;
 import checks the model and layout, takes device blocks (evicting others if it must) and writes them.
-Both run under the engine's lock.  Why apart from ``_engine``: the stepping loop and hints never
+Both run under the engine's lock and its ``executing`` lock: a step's forward pass, which runs outside
+the engine's lock, may be writing into blocks just freed by an abort, and only a step may use them then.
+Why apart from ``_engine``: the stepping loop and hints never
 touch this path; ``EngineCore.export_context``/``import_context`` call in here.
 """
 
@@ -12,6 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pydantic import TypeAdapter, ValidationError
+
+from hints._models import OptionalProgramId, SessionId
+
 from ._engine_errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ._executor import ScheduledBatch
 from ._session import SessionState
@@ -20,6 +26,9 @@ if TYPE_CHECKING:
     from ._engine import EngineCore
 
 __all__ = ["ContextData", "export_context", "import_context"]
+
+_SESSION_ID: TypeAdapter[str] = TypeAdapter(SessionId)
+_PROGRAM_ID: TypeAdapter[str] = TypeAdapter(OptionalProgramId)
 
 
 @dataclass
@@ -37,7 +46,7 @@ class ContextData:
 
 
 def export_context(core: EngineCore, session_id: str, release_after: bool = False) -> ContextData:
-    with core.lock:
+    with core.executing, core.lock:  # (its flush runs copies: never beside a step's forward pass)
         s = core._session(session_id)
         if s.state is not SessionState.PARKED:
             raise FailedPrecondition(f"session {session_id!r} is {s.state.value}; export it between turns")
@@ -78,9 +87,18 @@ def import_context(core: EngineCore, blob: ContextData) -> tuple[int, int]:
         raise FailedPrecondition(
             f"KV layout differs: block_size {blob.block_size}/{blob.dtype} vs {core.block_size}/{ex.layout.dtype}"
         )
-    if not blob.session_id:
-        raise InvalidArgument("session_id must not be empty")
+    for what, adapter, value in (("session_id", _SESSION_ID, blob.session_id),
+                                 ("program_id", _PROGRAM_ID, blob.program_id)):
+        try:  # the protocol's rules, as for Generate: an odd id would break every later CacheState
+            adapter.validate_python(value)
+        except ValidationError as e:
+            raise InvalidArgument(f"{what}: {e.errors()[0]['msg']}") from None
     n_blocks = math.ceil(len(blob.token_ids) / core.block_size)
+    if n_blocks > core.kv.device.num_blocks:  # refused before anything is evicted for it
+        raise ResourceExhausted(
+            f"{len(blob.token_ids)} tokens need {n_blocks} blocks; node {core.node_id} has "
+            f"{core.kv.device.num_blocks} in all"
+        )
     expected = n_blocks * ex.layout.block_nbytes
     if len(blob.kv_data) != expected or tuple(blob.shape) != tuple(ex.kv_shape(n_blocks)):
         raise InvalidArgument(
@@ -89,7 +107,13 @@ def import_context(core: EngineCore, blob: ContextData) -> tuple[int, int]:
         )
     if any(not 0 <= t < ex.vocab_size for t in blob.token_ids):
         raise InvalidArgument("token_ids outside the vocabulary")
-    with core.lock:
+    with core.executing, core.lock:  # (a step's forward pass may not be writing blocks we take)
+        existing = core.kv.sessions.get(blob.session_id)
+        if existing is not None and blob.program_id and existing.program_id != blob.program_id:
+            raise InvalidArgument(
+                f"session {blob.session_id!r} belongs to program {existing.program_id!r}, "
+                f"not {blob.program_id!r}"
+            )
         s = core.kv.get_or_create(blob.session_id, blob.program_id)
         if s.state is not SessionState.PARKED:
             raise FailedPrecondition(f"session {blob.session_id!r} is {s.state.value} here")
@@ -98,6 +122,9 @@ def import_context(core: EngineCore, blob: ContextData) -> tuple[int, int]:
         blocks = core.kv.allocate_device(n_blocks, exclude=s) if n_blocks else []
         if blocks is None:
             core.kv.park(s)
+            if existing is None:  # no empty session left behind by a failed import
+                core.kv.free_session(s)
+            core._changed()
             raise ResourceExhausted(f"no room for {n_blocks} blocks on node {core.node_id}")
         _flush_copies(core)  # offloads chosen just now must read their blocks before we overwrite
         if blocks:

@@ -81,6 +81,11 @@ class EngineCore:
         self.scheduler.on_finish = self._on_finish
         self.observers: list[EngineObserver] = []
         self.lock = threading.RLock()
+        # Held by a step from schedule to update, and by whatever else writes KV (ImportContext): the forward
+        # pass runs without ``lock`` (hints and submits go on), and an abort then parks its request's
+        # blocks, which an import could otherwise take and write while the pass still writes them.
+        # Order: ``executing`` before ``lock``.
+        self.executing = threading.Lock()
         self.version = 0  # bumps on every state change: cache-state watchers send on change
         self.pace_modeled = pace_modeled  # serve a modeled executor in real time (sleep its step time)
         self._wake = threading.Event()
@@ -104,6 +109,8 @@ class EngineCore:
     ) -> Request:
         prompt = list(prompt)
         self._validate(prompt, max_new_tokens, session_id, stop_token_ids)
+        if len(request_id) > 256 or not request_id.isprintable():  # (echoed in every response)
+            raise InvalidArgument(f"request_id must be at most 256 printable characters, got {request_id[:300]!r}")
         with self.lock:
             rid = request_id or f"req-{next(self._ids)}"
             if rid in self.scheduler.requests:
@@ -182,11 +189,26 @@ class EngineCore:
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> StepOutput | None:
         """Run one scheduler step; None when there was nothing to do."""
+        with self.executing:
+            return self._step()
+
+    def _step(self) -> StepOutput | None:
         with self.lock:
             batch = self.scheduler.schedule()
             if batch.is_empty():
                 return None
-        out = self.executor.execute(batch)
+        try:
+            out = self.executor.execute(batch)
+        except Exception as e:
+            # The step's requests fail (their KV is half written), not the node.  Some, all or none of its
+            # tier copies ran, and the KV manager counts them as done: the contexts they were for let go
+            # of those blocks.  Then the caller hears of it (``_loop`` keeps serving).
+            with self.lock:
+                if batch.copies:
+                    self.kv.discard_copies(batch.copies)
+                self._fail_running(e)
+                self._changed()
+            raise
         if self.pace_modeled and self.executor.name == "modeled":
             time.sleep(out.elapsed_s)  # before update: tokens are stamped when the modeled step ends
         with self.lock:

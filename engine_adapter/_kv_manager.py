@@ -59,11 +59,15 @@ class KVCacheManager(HostTier):
                 self.device.ref(bid)  # before allocating: an allocation must not evict our prefix hits
         dev: list[int] = []
         if plan.host:
+            # The plan reloads these host blocks: the offloads this allocation causes must not take them
+            # for their copies (they would overwrite KV this session is about to read back).
+            self._host_holders.discard(s)
             got = self.allocate_device(len(plan.host), exclude=s)
             if got is None:
                 for bid, own in plan.device:
                     if not own:
                         self.device.unref(bid)
+                self._refresh(s)
                 return False
             dev = got
         # Pin counts follow block ids: let go here, re-grant on the new block list below while the lease
@@ -121,19 +125,34 @@ class KVCacheManager(HostTier):
             raise RuntimeError(f"session {s.session_id}: KV written past its block table")
         self._rehash(s)
 
-    def park(self, s: Session) -> None:
-        """The session's request finished (or was preempted): its context waits for the next turn."""
+    def park(self, s: Session, *, finished: bool = True) -> None:
+        """The session's request finished (or, ``finished=False``, was preempted and is queued again): its
+        context waits for the next turn.  A released program's session is forgotten only once its turn
+        has finished: a preempted turn still runs again, on this very session."""
         now = self.clock.now()
         s.state = SessionState.PARKED
         s.last_used_s = now
         if s.next_use_deadline_s is not None and s.next_use_deadline_s <= now:
             s.next_use_deadline_s = None  # the predicted use happened
-        if s.released or not self.retain_contexts:
+        keep = -(-len(s.token_ids) // self.block_size)
+        if len(s.block_ids) > keep:  # reserved for tokens never computed (preempted, aborted): let go, or
+            self._unpin(s)  # eviction would copy empty blocks to the host (pins re-granted below)
+            while len(s.block_ids) > keep:
+                self.device.unref(s.block_ids.pop())
+            s.epoch += 1
+        if s.pin_deadline_s is not None and s.pin_deadline_s <= now:
+            # The lease lapsed while a turn was queued (``tick`` leaves those to admission) and that turn
+            # ended without being admitted (an abort): it ends here, or nothing would ever end it.
+            self._unpin(s)
+            s.pin_deadline_s = None
+            self.stats.pin_expiries += 1
+        drop = s.released and finished
+        if drop or not self.retain_contexts:
             self._drop_device(s, len(s.block_ids))
-            if s.released:
+            if drop:
                 self.free_session(s)
                 return
-        elif s.pin_deadline_s is not None and s.pin_deadline_s > now:
+        elif s.pin_deadline_s is not None:
             self._grant_pin(s)
         self._refresh(s)
 
@@ -163,11 +182,13 @@ class KVCacheManager(HostTier):
         self._drop_device(s, len(s.block_ids))
         self._device_evictable.discard(s)
         self._host_holders.discard(s)
-        self.sessions.pop(s.session_id, None)
+        if self.sessions.get(s.session_id) is s:  # (by identity: a new session may reuse the id)
+            del self.sessions[s.session_id]
         self._creation_seq.pop(s, None)
         self._maybe_waiting.pop(s, None)
+        owner = self.sessions.get(s.session_id)
         members = self.programs.get(s.program_id)
-        if members is not None:
+        if members is not None and (owner is None or owner.program_id != s.program_id):
             members.pop(s.session_id, None)
             if not members:
                 del self.programs[s.program_id]
@@ -181,6 +202,29 @@ class KVCacheManager(HostTier):
             if s.state is SessionState.PARKED:
                 self.free_session(s)
         return len(ids)
+
+    def discard_copies(self, copies: list[CopyOp]) -> int:
+        """A step failed and these copies may not have run.  Every context that would read a block they
+        were to fill lets go of it and of what follows it (a reloaded device block also leaves the prefix
+        index), so no later turn is served from an unwritten block; those tokens are recomputed.  Why not
+        run the copies again: the failed forward pass may already have written into a freed source block.
+        Returns how many sessions lost blocks."""
+        reloaded = {op.dst for op in copies if op.kind == "h2d"}
+        offloaded = {op.dst for op in copies if op.kind == "d2h"}
+        for bid in reloaded:
+            self.device.forget(bid)
+        num_touched = 0
+        for s in list(self.sessions.values()):
+            cut = next((i for i, b in enumerate(s.block_ids) if b in reloaded), None)
+            host_cut = next((i for i, b in enumerate(s.host_block_ids) if b in offloaded), None)
+            if cut is not None:
+                self._drop_device(s, len(s.block_ids) - cut)  # (and every host block behind them)
+            elif host_cut is not None:
+                self._drop_host(s, len(s.host_block_ids) - host_cut)
+            else:
+                continue
+            num_touched += 1
+        return num_touched
 
     # ---- hints that only move predictions ------------------------------------------------------
     def set_next_use(self, s: Session, next_use_s: float) -> None:

@@ -46,7 +46,8 @@ class Request:
     num_cached_tokens: int = 0
     num_host_hit_tokens: int = 0
     num_history_tokens: int = 0
-    num_recomputed_tokens: int = 0
+    num_recomputed_tokens: int = 0  # history computed again, plus what a preemption lost and redid
+    num_computed_at_preemption: int = 0
     is_first_turn: bool = False
     first_scheduled_s: float | None = None
     first_token_s: float | None = None

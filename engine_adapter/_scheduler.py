@@ -261,6 +261,8 @@ class Scheduler:
                 req.num_cached_tokens = plan.num_cached_tokens
                 req.num_host_hit_tokens = plan.num_host_tokens
                 req.num_recomputed_tokens = max(0, req.num_history_tokens - plan.num_hit_tokens)
+            else:  # back after a preemption: what it had computed and lost since is computed again
+                req.num_recomputed_tokens += max(0, req.num_computed_at_preemption - plan.num_hit_tokens)
             req.num_computed = len(s.token_ids)
             req.cold = cold_pass
             req.state = RequestState.RUNNING
@@ -280,9 +282,10 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         req.preempted = True
+        req.num_computed_at_preemption = req.num_computed
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.kv.park(req.session)
+        self.kv.park(req.session, finished=False)
         self.kv.set_waiting(req.session)
         self._enqueue(req)
 

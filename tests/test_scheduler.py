@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine_adapter._engine import EngineCore, InvalidArgument
-from engine_adapter._executor import VirtualClock
+from engine_adapter._executor import ScheduledBatch, VirtualClock
 from engine_adapter._scheduler import Request, SchedulerConfig
 from engine_adapter._torch_executor import make_torch_executor
 from hints import Pin, Priority
@@ -213,8 +213,25 @@ def test_preemption_when_running_request_cannot_grow() -> None:
     rng = random.Random(4)
     prompts = [rand_tokens(rng, 60), rand_tokens(rng, 60)]
     reqs = [core.submit(p, 60, session_id=f"s{i}") for i, p in enumerate(prompts)]
+    forward: list[int] = []
+
+    class Count:
+        def on_step(self, batch: ScheduledBatch, out: object) -> None:
+            forward.append(batch.num_tokens)
+
+        def on_request_finished(self, req: object) -> None: ...
+
+        def on_hints(self, hints: object, results: object) -> None: ...
+
+    core.observers.append(Count())
     core.run_until_idle()
+    num_forward = sum(forward)
     assert core.scheduler.num_preemptions >= 1
+    # Every token run forward is a prompt token not found cached, an output's decode, or work a preemption
+    # lost and redid, which counts as recomputed.
+    assert sum(r.num_recomputed_tokens for r in reqs) > 0
+    assert num_forward == sum(len(r.prompt) - r.num_cached_tokens - r.num_host_hit_tokens + len(r.output) - 1
+                              + r.num_recomputed_tokens for r in reqs)
     for p, r in zip(prompts, reqs, strict=True):
         assert len(r.output) == 60
         # The preempted request recomputed or reused its context; its tokens are still exact.
