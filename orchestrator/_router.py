@@ -207,6 +207,8 @@ class Router:
             device = max(device, ctx[1])
         if req.prefix_key and address in self._prefix_nodes.get(req.prefix_key, ()):
             device = max(device, req.prefix_tokens)
+        if req.cached_tokens is not None:
+            device = max(device, req.cached_tokens.get(address, 0))
         device = min(device, req.context_tokens)
         host = min(host, req.context_tokens - device)
         return device + host, host

@@ -9,7 +9,7 @@ path as ours. Plain Python: no Temporal, gRPC, torch or engine_adapter.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,13 +26,20 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """One turn to place: its session, its full prompt length, and optionally a prefix shared by sessions."""
+    """One turn to place: its session, its full prompt length, and optionally a prefix shared by sessions.
+
+    ``cached_tokens``: where known, how many leading tokens of this very prompt each node's prefix cache
+    holds (by address), e.g. from its KV events, as llm-d's precise prefix scorer knows them.  It counts
+    what a node's cache-state residency cannot show: blocks a finished turn left in the free queue, still
+    hittable, and blocks other sessions computed.
+    """
 
     session_id: str
     program_id: str
     context_tokens: int
     prefix_key: str = ""
     prefix_tokens: int = 0
+    cached_tokens: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         checks = {

@@ -114,6 +114,7 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
         return
     from replay._report import (
         dump_json,
+        oracle_note,
         overload_note,
         render_table,
         report_json,
@@ -153,8 +154,9 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
                f"host {setup.host_capacity_tokens:,} tokens/node, cost model {setup.cost_model}, "
                f"{wall_s:.1f} s wall")
     click.echo(render_table(report))
-    if note := overload_note(report):
-        click.echo(note)
+    for note in (overload_note(report), oracle_note(report)):
+        if note:
+            click.echo(note)
     if executor == "torch":
         click.echo(step_time_check(report))
     if json_out:

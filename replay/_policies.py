@@ -135,6 +135,9 @@ def parse_policy_list(text: str | None, variants: Sequence[ReplayConfig] = ()) -
     if text is None or text.strip() in ("", "all"):
         return [*REPLAY_CONFIGS.values(), *variants]
     names = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not names:
+        known = [*REPLAY_CONFIGS, *(v.name for v in variants)]
+        raise ValueError(f"no policy given in {text!r}; known: {', '.join(known)}")
     return [get_replay_config(n, variants) for n in names]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
@@ -108,7 +109,7 @@ def _lines(path: str | os.PathLike[str], limit: int | None) -> Iterator[tuple[in
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise TraceError(str(path), lineno, f"not valid JSON ({e.msg} at column {e.colno})") from None
+                raise TraceError(str(path), lineno, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
             count += 1
 
 
@@ -165,7 +166,14 @@ def read_mooncake(
             raise ValueError(f"timestamp must be a number of milliseconds >= 0, got {ts!r}")
         if not isinstance(r["hash_ids"], list):
             raise ValueError(f"hash_ids must be a list of integers, got {r['hash_ids']!r}")
+        for key in ("input_length", "output_length"):  # (named as in the file, not as in our Turn)
+            v = r[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{key} must be an integer >= 0, got {v!r}")
         ids = tuple(r["hash_ids"])
+        if ids and len(ids) != -(-r["input_length"] // block_size):
+            raise ValueError(f"hash_ids has {len(ids)} entries, but input_length {r['input_length']} is "
+                             f"{-(-r['input_length'] // block_size)} blocks of {block_size} tokens")
         turn = Turn(r["input_length"], r["output_length"], hash_ids=ids, block_size=block_size if ids else 0)
         return Program(f"mooncake-{lineno}", ts / 1000.0, "mooncake", [Session("request", "user", [turn])])
 
@@ -204,6 +212,18 @@ def read_trie(path: str | os.PathLike[str], *, limit: int | None = None, tool: s
         lengths = {name: len(v) for name, v in zip(lists, (responses, outputs, latencies), strict=True)}
         if any(v != n for v in lengths.values()):
             raise ValueError(f"each list must have num_turns = {n} entries, got {lengths}")
+        # Checked under the file's own names (Turn's messages would name our fields instead).
+        first = r["input_prompt_length"]
+        if isinstance(first, bool) or not isinstance(first, int) or first < 1:
+            raise ValueError(f"input_prompt_length must be an integer >= 1, got {first!r}")
+        for key, v in [("final_assistant_response_length", final),
+                       *((f"assistant_response_length[{i}]", v) for i, v in enumerate(responses)),
+                       *((f"tool_call_output_length[{i}]", v) for i, v in enumerate(outputs))]:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{key} must be an integer >= 0, got {v!r}")
+        for i, v in enumerate(latencies):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"tool_call_latency[{i}] must be a number of seconds >= 0, got {v!r}")
         new_inputs = [r["input_prompt_length"], *outputs]
         turns = []
         for i, output in enumerate([*responses, final]):
@@ -220,11 +240,15 @@ def read_trie(path: str | os.PathLike[str], *, limit: int | None = None, tool: s
 
 def _generator_params(name: str, text: str) -> dict[str, Any]:
     """``key=value,...`` after a generator name, typed like the field defaults; ranges are ``lo-hi``."""
-    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(GENERATORS[name])}
+    flags = {"num_programs": "--programs", "rate": "--rate", "scale": "--scale"}  # the replay's own options
+    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(GENERATORS[name])
+                                if f.name not in flags}
     params: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, eq, value = item.partition("=")
         key = key.strip()
+        if key in flags:
+            raise ValueError(f"{name}: set {key} with {flags[key]}, not in the workload")
         if not eq or key not in defaults:
             raise ValueError(f"{name}: expected key=value with key one of {sorted(defaults)}, got {item!r}")
         default = defaults[key]

@@ -25,8 +25,8 @@ import numpy as np
 from replay._setup import ReplaySetup
 from replay._sim import SimResult
 
-__all__ = ["REQUIRED_KEYS", "metrics", "overload_note", "render_table", "report_json", "step_time_check",
-           "write_plots"]
+__all__ = ["REQUIRED_KEYS", "metrics", "oracle_note", "overload_note", "render_table", "report_json",
+           "step_time_check", "write_plots"]
 
 REQUIRED_KEYS = ("jct_mean_s", "jct_p50_s", "jct_p90_s", "jct_p99_s", "ttft_p50_s", "ttft_p90_s",
                  "ttft_p99_s", "across_turn_hit_rate", "within_turn_hit_rate", "recomputed_tokens",
@@ -114,10 +114,13 @@ def report_json(setup: ReplaySetup, results: Sequence[SimResult]) -> dict[str, A
     return {"policies": {r.config.name: metrics(r) for r in results}, "config": config}
 
 
-_COLUMNS = (("JCT mean", "jct_mean_s", "s"), ("JCT p90", "jct_p90_s", "s"), ("TTFT p50", "ttft_p50_s", "s"),
-            ("TTFT p90", "ttft_p90_s", "s"), ("queue wait", "queue_wait_mean_s", "s"),
-            ("across-turn hits", "across_turn_hit_rate", "%"), ("recomputed", "recomputed_tokens", "n"),
-            ("tok/s", "throughput_tokens_per_s", "f"), ("pinned tok·s", "pinned_token_seconds", "n"))
+_TIMES = (("JCT mean", "jct_mean_s", "s"), ("p50", "jct_p50_s", "s"), ("p90", "jct_p90_s", "s"),
+          ("p99", "jct_p99_s", "s"), ("TTFT p50", "ttft_p50_s", "s"), ("p90", "ttft_p90_s", "s"),
+          ("p99", "ttft_p99_s", "s"), ("queue wait", "queue_wait_mean_s", "s"))
+_WORK = (("across-turn hits", "across_turn_hit_rate", "%"), ("within-turn hits", "within_turn_hit_rate", "%"),
+         ("recomputed", "recomputed_tokens", "n"), ("tok/s", "throughput_tokens_per_s", "f"),
+         ("pinned tok·s", "pinned_token_seconds", "n"), ("preemptions", "preemptions", "f"),
+         ("session moves", "session_moves", "f"), ("migrations", "migrations", "f"))
 
 
 def _cell(value: float, kind: str, base: dict[str, float]) -> str:
@@ -128,18 +131,25 @@ def _cell(value: float, kind: str, base: dict[str, float]) -> str:
     return f"{text} ({' / '.join(ratios)})" if ratios else text
 
 
-def render_table(report: dict[str, Any]) -> str:
-    """A markdown table; times and token counts carry (× vllm-default / × oracle) where both ran."""
-    pols = report["policies"]
-    refs = [n for n in ("vllm-default", "oracle") if n in pols]
-    lines = ["| policy | " + " | ".join(c[0] for c in _COLUMNS) + " |",
-             "|---" * (len(_COLUMNS) + 1) + "|"]
+def _table(pols: dict[str, Any], refs: list[str], columns: Sequence[tuple[str, str, str]]) -> list[str]:
+    lines = ["| policy | " + " | ".join(c[0] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, m in pols.items():
         cells = []
-        for _, key, kind in _COLUMNS:
+        for _, key, kind in columns:
             base = {r: pols[r][key] for r in refs if r != name}
             cells.append(_cell(m[key], kind, base if name not in refs else {}))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """Two markdown tables, times (JCT and TTFT percentiles, queue wait) and work (hits, recomputed tokens,
+    throughput, pins, preemptions, moves); times and token counts carry (× vllm-default / × oracle) where
+    both ran.  ``session moves``: turns that ran on another node than the session's last turn (its context
+    re-prefilled there); ``migrations``: contexts copied between nodes (none in a replay yet)."""
+    pols = report["policies"]
+    refs = [n for n in ("vllm-default", "oracle") if n in pols]
+    lines = _table(pols, refs, _TIMES) + [""] + _table(pols, refs, _WORK)
     if refs:
         lines.append(f"\nratios in parentheses: × {' / × '.join(refs)}")
     return "\n".join(lines)
@@ -159,6 +169,15 @@ def overload_note(report: dict[str, Any], share: float = 0.5) -> str:
     return (f"note: the nodes are overloaded: even {best} spent {queued[best]:.0%} of its programs' time queued, "
             f"so these figures compare backlogs; for serving figures add nodes (--nodes) or lower the load "
             f"(--rate, --programs)")
+
+
+def oracle_note(report: dict[str, Any]) -> str:
+    """A warning when the oracle's pool, sized to hold every context, evicted anything (empty otherwise)."""
+    m = report["policies"].get("oracle")
+    if m is None or not m["evicted_blocks"]:
+        return ""
+    return (f"note: the oracle evicted {m['evicted_blocks']:,} blocks, so it is not the bound it should be "
+            f"here; its pool is sized from the programs' unloaded lifetimes (replay._setup._peak_held_tokens)")
 
 
 def step_time_check(report: dict[str, Any]) -> str:

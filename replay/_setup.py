@@ -35,7 +35,8 @@ __all__ = ["EXECUTORS", "EXECUTOR_DEFAULTS", "TORCH_WORKLOAD_DEFAULTS", "WORKLOA
            "estimate_live_context_tokens", "longest_request_tokens", "run_replay"]
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
-    # swe-agent: calibrated so that vllm-default's across-turn hit rate is near Copilot's 55% (README).
+    # swe-agent: memory pressure as issue 4 asks (device KV a third of the live contexts, at least 1.25x the
+    # longest); vllm-default's across-turn hit rate is then about 25%, not Copilot's 55% (README says why).
     # scale 0.25 (contexts of 2.5-10k tokens) keeps the 7-policy replay near a minute on 2 cores; the
     # engine's per-step Python cost grows with context length (see README, replay figures).
     "swe-agent": {"num_programs": 100, "rate": 0.5, "scale": 0.25},
@@ -186,7 +187,7 @@ def _unloaded_lifetime_s(program: Program, cm: CostModel) -> float:
 def _peak_held_tokens(programs: Sequence[Program], cm: CostModel) -> int:
     """Device tokens for the oracle: the peak over time of every overlapping program's whole final context,
     each held for 4x its unloaded lifetime plus a minute (queueing slack).  Exact infinity would cost a block
-    object per token ever computed; the report checks that the oracle really evicted nothing."""
+    object per token ever computed; ``hintflow replay`` warns if the oracle evicted anything (``oracle_note``)."""
     edges: list[tuple[float, int]] = []
     for p in programs:
         tokens = p.total_tokens + 16 * cm.block_size * p.num_sessions

@@ -30,6 +30,7 @@ from typing import Any
 
 from engine_adapter._executor import VirtualClock
 from engine_adapter._scheduler import Request
+from engine_adapter._session import Session
 from hints import EvictionOrder, HintModel, Pin, Release
 from orchestrator import (
     POLICIES,
@@ -162,6 +163,8 @@ class Simulation:
             time.perf_counter() - wall0,
             self.now,
             num_events,
+            extra=({"thunderagent_pauses": self.controller.num_pauses,
+                    "thunderagent_restores": self.controller.num_restores} if self.controller is not None else {}),
             node_totals=[n.totals() for n in self.nodes],
         )
 
@@ -246,7 +249,7 @@ class Simulation:
                 return
         turn = s.session.turns[s.turn_index]
         prompt = s.next_prompt(self.prompts.new_input(turn, f"{s.key}/{s.turn_index}"))
-        address = node.address if node is not None else self._route(s, len(prompt), turn)
+        address = node.address if node is not None else self._route(s, prompt, turn)
         s.node = address
         target = self.by_address[address]
         s.request = target.engine.submit(
@@ -269,21 +272,35 @@ class Simulation:
                             + t.tool_duration_s)
         return round(1000 * total_s)
 
-    def _route(self, s: SessionRun, num_tokens: int, turn: Any) -> str:
+    def _route(self, s: SessionRun, prompt: list[int], turn: Any) -> str:
         if len(self.nodes) == 1:
             return self.nodes[0].address
         if self.now - self._routed_s >= self.watch_interval_s:  # the live watch stream's period
             for n in self.nodes:
                 self.router.update(n.address, n.engine.cache_state(include_sessions=True), self.now)
             self._routed_s = self.now
+        cached = None
+        if self.config.routing == "llm-d":  # its precise prefix scorer indexes every node's KV events
+            cached = {n.address: self._cached_prefix_tokens(n, s.key, prompt) for n in self.nodes}
         req = RouteRequest(
-            s.key, s.run.program.program_id, num_tokens, turn.shared_prefix, turn.shared_prefix_tokens
+            s.key, s.run.program.program_id, len(prompt), turn.shared_prefix, turn.shared_prefix_tokens,
+            cached_tokens=cached,
         )
         decision = self.router.choose(req, self.now)
         if decision.moved_from is not None:
             self.by_address[decision.moved_from].engine.apply_hints([Pin(session_id=s.key, ttl_s=0.0)])
         self.router.started(decision.address, req)
         return decision.address
+
+    @staticmethod
+    def _cached_prefix_tokens(node: SimNode, session_id: str, prompt: list[int]) -> int:
+        """Leading tokens of ``prompt`` that ``node``'s device prefix cache holds now (changes nothing)."""
+        kv = node.engine.kv
+        s = kv.sessions.get(session_id)
+        if s is None:  # never there: only blocks other sessions computed can hit
+            s = Session(session_id, session_id, created_s=0.0)
+            s._bs = kv.block_size
+        return kv.plan_prefix(s, prompt).num_cached_tokens
 
     def _step_end(self, node: SimNode) -> None:
         done, node.finished = node.finished, []

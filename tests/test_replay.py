@@ -240,3 +240,38 @@ def test_overload_note_fires_only_when_even_the_least_queued_policy_mostly_queue
     assert "overloaded" in note and "even b" in note and "75%" in note
     assert overload_note({"policies": {"a": pol(100.0, 8.0), "oracle": pol(50.0, 0.1)}}) == ""
     assert overload_note({"policies": {}}) == ""
+
+
+def test_llm_d_scores_the_prefix_each_node_s_cache_holds() -> None:
+    """llm-d's precise prefix scorer sees blocks a finished turn left in vLLM's free queue (its KV events do):
+    without memory pressure it keeps each session where its context is, as session affinity does."""
+    programs = _tiny(3)
+    setup, results = run_replay(_setup(kv_capacity_tokens=200_000),
+                                [get_replay_config("vllm-default"), get_replay_config("llm-d")], programs=programs)
+    pol = report_json(setup, results)["policies"]
+    assert pol["llm-d"]["evicted_blocks"] == 0 and pol["llm-d"]["session_moves"] == 0
+    assert pol["llm-d"]["across_turn_hit_rate"] == pytest.approx(pol["vllm-default"]["across_turn_hit_rate"])
+
+
+def test_report_tables_carry_every_issue_column_and_thunderagent_counts(all_results) -> None:  # type: ignore[no-untyped-def]
+    from replay._report import oracle_note, render_table
+
+    _, (setup, results) = all_results
+    report = report_json(setup, results)
+    table = render_table(report)
+    for column in ("JCT mean", "p50", "p99", "TTFT p50", "within-turn hits", "migrations", "preemptions"):
+        assert column in table
+    assert {"thunderagent_pauses", "thunderagent_restores"} <= set(report["policies"]["thunderagent"])
+    assert oracle_note(report) == ""  # the oracle evicted nothing
+    report["policies"]["oracle"]["evicted_blocks"] = 3
+    assert "oracle evicted 3 blocks" in oracle_note(report)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-w", "swe-agent:rate=1"], "set rate with --rate"),
+    (["-w", "multi-agent:num_programs=3"], "set num_programs with --programs"),
+    (["-p", " , "], "no policy given"),
+])
+def test_cli_refuses_misplaced_options(args: list[str], message: str) -> None:
+    res = CliRunner().invoke(replay_command, [*args, "--no-progress", "--programs", "2"])
+    assert res.exit_code != 0 and message in res.output, res.output

@@ -219,7 +219,10 @@ def test_mooncake_bad_line(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match=r":2: request: missing 'hash_ids'"):
         read_mooncake(path)
     path = write_lines(tmp_path, [good, good | {"input_length": -1}])
-    with pytest.raises(TraceError, match=r":2: input_tokens must be an integer >= 0"):
+    with pytest.raises(TraceError, match=r":2: input_length must be an integer >= 0"):  # the file's own key
+        read_mooncake(path)
+    path = write_lines(tmp_path, [good, good | {"hash_ids": [1, 2, 3]}])
+    with pytest.raises(TraceError, match=r":2: hash_ids has 3 entries, but input_length 600 is 2 blocks"):
         read_mooncake(path)
     (p,) = read_mooncake(path, limit=1)
     assert p.arrival_s == 0.005 and p.sessions[0].turns[0].hash_ids == (1, 2)
@@ -261,11 +264,12 @@ def test_trie_reader(tmp_path: Path) -> None:
         ({"num_turns": 3},
          r"each list must have num_turns = 3 entries, got \{'assistant_response_length': 2"),
         ({"tool_call_latency": [0.5]}, "each list must have num_turns = 2 entries"),
-        ({"tool_call_latency": [0.5, -1]}, "turn 1: tool_duration_s must be a finite number"),
+        ({"tool_call_latency": [0.5, -1]}, r"tool_call_latency\[1\] must be a number of seconds >= 0"),
+        ({"assistant_response_length": [5, "x"]}, r"assistant_response_length\[1\] must be an integer >= 0"),
         ({"final_assistant_response_length": None}, "missing 'final_assistant_response_length'"),
         ({"num_turns": "2"}, "num_turns must be an integer >= 0"),
         ({"tool_call_output_length": 50}, "tool_call_output_length must be a list"),
-        ({"input_prompt_length": 0}, "turn 0: input_tokens must be >= 1"),
+        ({"input_prompt_length": 0}, "input_prompt_length must be an integer >= 1"),
         ({"num_turn": 2}, r"unknown keys \['num_turn'\]"),
     ],
 )
