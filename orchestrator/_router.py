@@ -234,5 +234,9 @@ class Router:
         return reported if reported > 0.0 else self.host_reload_s_per_token
 
     def _forget_prefixes(self, address: str) -> None:
+        """A node restarted or went away: nothing it held is assumed to be there any more (its shared
+        prefixes, and the contexts sessions left on it when their turns ended)."""
         for nodes in self._prefix_nodes.values():
             nodes.discard(address)
+        for sid in [sid for sid, ctx in self._session_ctx.items() if ctx[0] == address]:
+            del self._session_ctx[sid]

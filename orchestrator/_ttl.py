@@ -18,7 +18,10 @@ Renewal (:meth:`ContinuumTTL.ttl_remaining`): when a pin expires and the tool is
 same rule on the conditional distribution of T - t given T > t decides whether to pin again and for how
 long.  Under a heavy tail the conditional distribution spreads out as t grows (and, past the last
 sample, its extrapolated mean excess grows with t), so the chance of a return within any tau falls
-until no tau pays: a stuck tool cannot hold memory forever.
+until no tau pays: a stuck tool cannot hold memory forever.  Except under the cold-start default: the
+exponential is memoryless, so every renewal would decide the same tau and a stuck tool would keep its
+pin for as long as it runs.  The default is a prior, not evidence about this pause, so a pin decided
+on it is not renewed (the first pin, at the turn end or tool start, still follows it).
 
 eta = -Corr(k, N - k) over the (k, N - k) pairs of finished programs (k = 1..N turns served, N total).
 We clamp it to [0, 1]: a negative value would turn queueing delay into a reason not to pin, which the
@@ -133,7 +136,10 @@ class ContinuumTTL:
         return continuum_tau(self.pause_model.distribution(tool), self.benefit_s(context_tokens))
 
     def ttl_remaining(self, tool: str, elapsed_s: float, context_tokens: int) -> float:
-        """tau* for a further pin, decided on T - t given T > t after ``elapsed_s`` of pause."""
+        """tau* for a further pin, decided on T - t given T > t after ``elapsed_s`` of pause (0 while the
+        pause model has only its memoryless default for ``tool``: see the module docstring)."""
+        if self.pause_model.source(tool) == "default":
+            return 0.0
         dist = self.pause_model.distribution(tool).conditional(elapsed_s)
         return continuum_tau(dist, self.benefit_s(context_tokens))
 

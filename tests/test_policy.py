@@ -97,12 +97,26 @@ def test_continuum_learns_pauses_and_renews_on_tick() -> None:
     assert pm.num_samples("bash") == 2  # ToolEnded fed the pause model
     assert policy.ttl._num_programs == 1  # ProgramEnded fed eta
 
-    pm2 = PauseModel()  # Exp(1): memoryless, so a renewal asks for the same tau again
-    policy = get_policy("continuum", pause_model=pm2, prefill_reload=lambda n: 10.0)
+    # Learned pauses: the renewal is decided on T - t given T > t, here the same as the first pin.
+    pm1 = PauseModel(min_samples=1)
+    for d in [1.0, 5.0, 9.0]:
+        pm1.observe("bash", d)
+    policy = get_policy("continuum", pause_model=pm1, prefill_reload=lambda n: 20.0)
     [pin] = policy.on_event(ToolStarted(P, S, "bash", 0.0, 100))
     assert policy.on_event(Tick(pin.ttl_s / 2)) == []  # still held: nothing to do
     [renewed] = policy.on_event(Tick(pin.ttl_s + 0.1))
-    assert isinstance(renewed, Pin) and renewed.ttl_s == pytest.approx(pin.ttl_s)
+    assert isinstance(renewed, Pin) and renewed.ttl_s > 0.0
+
+
+def test_a_stuck_tool_keeps_no_pin_on_the_cold_start_default() -> None:
+    """Exp(1) is memoryless: renewing on it would give a tool that never returns the same pin forever.
+    The default is a prior, so its first pin is not renewed."""
+    for name in ("continuum", "hintflow"):
+        policy = get_policy(name, pause_model=PauseModel(), prefill_reload=lambda n: 4.0)
+        pins = [h for h in policy.on_event(ToolStarted(P, S, "bash", 0.0, 4000)) if isinstance(h, Pin)]
+        assert pins and pins[0].ttl_s == pytest.approx(math.log(4.0), rel=0.01)  # tau* = ln B (on a grid)
+        later = [h for t in range(1, 72_000) for h in policy.on_event(Tick(0.05 * t)) if isinstance(h, Pin)]
+        assert [p.ttl_s for p in later] == [0.0], name  # one drop when the first pin lapses, then nothing
 
 
 def test_continuum_drops_pin_when_renewal_no_longer_pays() -> None:

@@ -263,6 +263,20 @@ def test_remove_forgets_prefix_affinity_for_a_node_that_comes_back() -> None:
     assert router.choose(req, now_s=0.0).warm_tokens == 0
 
 
+def test_a_restarted_node_is_not_assumed_to_hold_the_context_a_session_left_there() -> None:
+    router = Router()
+    router.update("a", state("na", version=500), now_s=0.0)
+    router.update("b", state("nb", version=10), now_s=0.0)
+    req = RouteRequest("s", "p", context_tokens=4000)
+    router.started("a", req)
+    router.finished("a", "s")
+    assert router.choose(RouteRequest("s", "p", context_tokens=4100), now_s=0.0).warm_tokens == 4000
+    router.remove("a")  # it went away and came back empty: a new node id, its version from 0
+    router.update("a", state("na-2", version=3), now_s=1.0)
+    d = router.choose(RouteRequest("s", "p", context_tokens=4100), now_s=1.0)
+    assert d.warm_tokens == 0 and d.expected_s["a"] == d.expected_s["b"]
+
+
 def test_round_robin_alternates_blind_to_warmth() -> None:
     router = two_nodes(Router(policy="round-robin"), a=state("na", sessions=(resident("s", device=9000),)))
     picks = [router.choose(RouteRequest("s", "p", context_tokens=9000), now_s=0.0) for _ in range(4)]
