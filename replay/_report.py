@@ -166,9 +166,10 @@ def overload_note(report: dict[str, Any], share: float = 0.5) -> str:
     if not queued or min(queued.values()) <= share:
         return ""
     best = min(queued, key=lambda n: queued[n])
-    return (f"note: the nodes are overloaded: even {best} spent {queued[best]:.0%} of its programs' time queued, "
-            f"so these figures compare backlogs; for serving figures add nodes (--nodes) or lower the load "
-            f"(--rate, --programs)")
+    parallel = " (a program's parallel turns each count)" if queued[best] > 1.0 else ""
+    return (f"note: the nodes are overloaded: even {best}'s turns spent {queued[best]:.0%} of its programs' time "
+            f"queued{parallel}, so these figures compare backlogs; for serving figures add nodes (--nodes) or "
+            f"lower the load (--rate, --programs)")
 
 
 def oracle_note(report: dict[str, Any]) -> str:

@@ -237,7 +237,7 @@ def test_overload_note_fires_only_when_even_the_least_queued_policy_mostly_queue
 
     busy = {"policies": {"a": pol(100.0, 8.0), "b": pol(120.0, 9.0)}}  # 80% and 75% of job time queued
     note = overload_note(busy)
-    assert "overloaded" in note and "even b" in note and "75%" in note
+    assert "overloaded" in note and "even b's turns" in note and "75%" in note
     assert overload_note({"policies": {"a": pol(100.0, 8.0), "oracle": pol(50.0, 0.1)}}) == ""
     assert overload_note({"policies": {}}) == ""
 
