@@ -20,8 +20,9 @@ long.  Under a heavy tail the conditional distribution spreads out as t grows (a
 sample, its extrapolated mean excess grows with t), so the chance of a return within any tau falls
 until no tau pays: a stuck tool cannot hold memory forever.  Except under the cold-start default: the
 exponential is memoryless, so every renewal would decide the same tau and a stuck tool would keep its
-pin for as long as it runs.  The default is a prior, not evidence about this pause, so a pin decided
-on it is not renewed (the first pin, at the turn end or tool start, still follows it).
+pin for as long as it runs.  The default is a prior, not evidence about this pause, so pins decided on
+it are renewed only while the pause is within the prior's own range (its 99th percentile, 4.6 mean
+pause times): a pause longer than that is not one the prior describes.
 
 eta = -Corr(k, N - k) over the (k, N - k) pairs of finished programs (k = 1..N turns served, N total).
 We clamp it to [0, 1]: a negative value would turn queueing delay into a reason not to pin, which the
@@ -52,6 +53,10 @@ def continuum_tau(dist: PauseDistribution, benefit_s: float) -> float:
     if best < 0 or values[best] <= dist.ecdf(0.0) * benefit_s:
         return 0.0
     return float(taus[best])
+
+
+DEFAULT_RENEW_QUANTILE = 0.99
+"""Under the cold-start default, pins are renewed only while the pause is shorter than this quantile."""
 
 
 class ContinuumTTL:
@@ -136,11 +141,12 @@ class ContinuumTTL:
         return continuum_tau(self.pause_model.distribution(tool), self.benefit_s(context_tokens))
 
     def ttl_remaining(self, tool: str, elapsed_s: float, context_tokens: int) -> float:
-        """tau* for a further pin, decided on T - t given T > t after ``elapsed_s`` of pause (0 while the
-        pause model has only its memoryless default for ``tool``: see the module docstring)."""
-        if self.pause_model.source(tool) == "default":
+        """tau* for a further pin, decided on T - t given T > t after ``elapsed_s`` of pause (0 once the
+        pause has outlasted the cold-start default's 99th percentile: see the module docstring)."""
+        base = self.pause_model.distribution(tool)
+        if self.pause_model.source(tool) == "default" and elapsed_s >= base.quantile(DEFAULT_RENEW_QUANTILE):
             return 0.0
-        dist = self.pause_model.distribution(tool).conditional(elapsed_s)
+        dist = base.conditional(elapsed_s)
         return continuum_tau(dist, self.benefit_s(context_tokens))
 
 
