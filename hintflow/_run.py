@@ -276,6 +276,9 @@ async def run_programs_on(client: Any, engines: Sequence[str], cfg: RunConfig) -
     if example is None:
         raise ValueError(f"unknown example {cfg.example!r}; known: {', '.join(sorted(EXAMPLES))}")
     inp = example.make_input(**({"time_scale": cfg.time_scale} | cfg.overrides))
+    problems = inp.problems() if hasattr(inp, "problems") else []
+    if problems:  # before any program starts: each would fail with the same error
+        raise ValueError(f"bad input for {cfg.example}: {'; '.join(problems)}")
     runtime = make_runtime(engines, cfg.policy, cfg.cost_model, cfg.routing)
     task_queue = f"hintflow-run-{uuid.uuid4().hex[:8]}"
     stop = asyncio.Event()

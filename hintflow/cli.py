@@ -664,29 +664,112 @@ def run(
     if example not in EXAMPLES:
         raise click.BadParameter(f"unknown example {example!r}; known: {', '.join(sorted(EXAMPLES))}")
     _check_policy(kw["policy"])
-    overrides: dict[str, Any] = {}
-    fields = [f.name for f in dataclasses.fields(EXAMPLES[example].input_type)]
-    for s in sets:
-        name, sep, raw = s.partition("=")
-        if not sep or name not in fields:
-            raise click.BadParameter(f"--set {s!r}: expected FIELD=VALUE with FIELD in {', '.join(fields)}")
-        try:
-            overrides[name] = json.loads(raw)
-        except json.JSONDecodeError:
-            overrides[name] = raw
+    input_type = EXAMPLES[example].input_type
+    overrides = _parse_sets(input_type, sets)
+    # The input the programs will get, checked here: a bad value is a usage error, not a failed program.
+    inp = EXAMPLES[example].make_input(**({"time_scale": kw["time_scale"]} | overrides))
+    problems = inp.problems() if hasattr(inp, "problems") else []
+    if problems:
+        raise click.BadParameter("; ".join(problems), param_hint="--set")
     _check_cost_model(kw.get("cost_model"))
+    if json_out:
+        _check_output_dir(json_out)
     cfg = RunConfig(example=example, overrides=overrides, **kw)
     status = 0
     try:
         report = asyncio.run(run_programs(cfg, temporal, engines, num_device_blocks=num_device_blocks))
     except Exception as exc:
-        click.echo(f"hintflow run: {type(exc).__name__}: {exc}", err=True)
+        click.echo(f"hintflow run: {_failure_text(exc)}", err=True)
         _exit_after_temporal(1)
     click.echo(_run_table(report))
     if json_out:
-        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
-        click.echo(f"wrote {json_out}", err=True)
+        try:
+            Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+            click.echo(f"wrote {json_out}", err=True)
+        except OSError as exc:
+            click.echo(f"hintflow run: could not write --json {json_out}: {exc}", err=True)
+            status = 1
     _exit_after_temporal(status)
+
+
+def _coerce(name: str, raw: str, typ: Any) -> Any:
+    """``raw`` as a value of the field's type, or ValueError saying what was expected."""
+    import math
+
+    if typ is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} takes true or false, got {raw!r}")
+    if typ is int:
+        try:
+            return int(raw.strip().replace("_", ""), 10)
+        except ValueError:
+            raise ValueError(f"{name} takes an integer, got {raw!r}") from None
+    if typ is float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{name} takes a number, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{name} takes a finite number, got {raw!r}")
+        return value
+    if typ is str:
+        return raw
+    try:  # a structured field (none of the examples has one today): JSON
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise ValueError(f"{name} takes a JSON value, got {raw!r}") from None
+
+
+def _parse_sets(input_type: type, sets: tuple[str, ...]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` overrides, each coerced to the field's type; a bad one is a usage error."""
+    import typing
+
+    hints = typing.get_type_hints(input_type)
+    fields = [f.name for f in dataclasses.fields(input_type)]
+    overrides: dict[str, Any] = {}
+    for s in sets:
+        name, sep, raw = s.partition("=")
+        if not sep or name not in fields:
+            raise click.BadParameter(f"--set {s!r}: expected FIELD=VALUE with FIELD in {', '.join(fields)}")
+        try:
+            overrides[name] = _coerce(name, raw, hints.get(name))
+        except ValueError as exc:
+            raise click.BadParameter(f"--set {s!r}: {exc}") from None
+    return overrides
+
+
+def _check_output_dir(path: str) -> None:
+    """Fail before starting anything when the report could not be written at the end."""
+    import os
+
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise click.BadParameter(f"directory {str(parent)!r} does not exist", param_hint="--json")
+    if not os.access(parent, os.W_OK):
+        raise click.BadParameter(f"directory {str(parent)!r} is not writable", param_hint="--json")
+
+
+def _failure_text(exc: BaseException) -> str:
+    """The innermost cause of a failure, e.g. the ApplicationError inside WorkflowFailureError's
+    ActivityError: "WorkflowFailureError: Workflow execution failed" alone says nothing."""
+    inner, seen = exc, {id(exc)}
+    while True:
+        nxt = getattr(inner, "cause", None) or inner.__cause__
+        if not isinstance(nxt, BaseException) or id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        inner = nxt
+    kind = getattr(inner, "type", None)  # an ApplicationError's type names the error (InvalidPrompt, ...)
+    if not isinstance(kind, str) or not kind:
+        kind = type(inner).__name__
+    message = getattr(inner, "message", None)
+    if not isinstance(message, str):
+        message = str(inner)
+    return f"{kind}: {message or repr(inner)}"
 
 
 def _run_table(r: dict[str, Any]) -> str:

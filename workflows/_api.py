@@ -16,6 +16,7 @@ which also tags any activity started inside it, so tools written by the user nee
 from __future__ import annotations
 
 import contextvars
+import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -168,6 +169,14 @@ def _bad_input(message: str, kind: str = "InvalidInput") -> ApplicationError:
     return ApplicationError(message, type=kind, non_retryable=True)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 # ---- helpers -----------------------------------------------------------------------------------------
 async def llm(
     prompt: str | Sequence[int],
@@ -183,9 +192,21 @@ async def llm(
 
     A string prompt is sent as bytes; pass token ids to control the tokens exactly.
     """
-    ids = encode_text(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    try:
+        ids = encode_text(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    except (TypeError, ValueError) as exc:
+        raise _bad_input(f"llm() needs a string or token ids as its prompt: {exc}", "InvalidPrompt") from None
     if not ids:
         raise _bad_input("llm() needs a non-empty prompt", "InvalidPrompt")
+    if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
+        raise _bad_input(f"llm(): max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not (_is_int(prefix_tokens) and 0 <= prefix_tokens <= len(ids)):
+        raise _bad_input(
+            f"llm(): prefix_tokens must be an integer in [0, {len(ids)}] (the prompt's length), "
+            f"got {prefix_tokens!r}"
+        )
+    if prefix_tokens and not prefix_key:
+        raise _bad_input(f"llm(): prefix_tokens={prefix_tokens} needs a prefix_key naming the shared prefix")
     inp = LLMInput(current_session(), ids, max_new_tokens, prefix_key, prefix_tokens)
     return await workflow.execute_activity(
         LLM_ACTIVITY,
@@ -225,15 +246,23 @@ async def tool(
                 start_to_close_timeout=start_to_close_timeout,
                 **activity_options,
             )
-        if not duration_s >= 0.0:
-            raise _bad_input(f"tool {name!r}: duration_s must be >= 0, got {duration_s}")
+        if not (_is_finite(duration_s) and duration_s >= 0.0):
+            raise _bad_input(f"tool {name!r}: duration_s must be a finite number >= 0, got {duration_s!r}")
+        if not (_is_int(output_tokens) and output_tokens >= 0):
+            raise _bad_input(f"tool {name!r}: output_tokens must be an integer >= 0, got {output_tokens!r}")
+        if not (_is_int(vocab_size) and vocab_size >= 1):
+            raise _bad_input(f"tool {name!r}: vocab_size must be an integer >= 1, got {vocab_size!r}")
+        try:
+            timeout = max(start_to_close_timeout, timedelta(seconds=duration_s + 60))
+        except OverflowError:
+            raise _bad_input(f"tool {name!r}: duration_s={duration_s!r} is too long") from None
         s = seed if seed is not None else workflow.random().randrange(2**31)
         inp = ToolInput(current_session(), name, duration_s, output_tokens, s, vocab_size)
         return await workflow.execute_activity(
             TOOL_ACTIVITY,
             inp,
             result_type=ToolResult,
-            start_to_close_timeout=max(start_to_close_timeout, timedelta(seconds=duration_s + 60)),
+            start_to_close_timeout=timeout,
             **activity_options,
         )
     finally:

@@ -99,14 +99,16 @@ class HintflowActivities:
     async def pause_started(self, inp: PauseInput) -> None:
         info = activity.info()
         self._pause_start_s[(inp.session_id, inp.name)] = time.monotonic()
-        self.runtime.tool_started(info.workflow_id or "", inp.session_id, inp.name, info.workflow_type or "")
+        self.runtime.tool_started(
+            info.workflow_id or "", inp.session_id, inp.name, info.workflow_type or "", activity=False
+        )
 
     @activity.defn(name=PAUSE_ENDED_ACTIVITY)
     async def pause_ended(self, inp: PauseInput) -> None:
         program_id = activity.info().workflow_id or ""
         start = self._pause_start_s.pop((inp.session_id, inp.name), None)
         duration = time.monotonic() - start if start is not None else 0.0
-        self.runtime.tool_ended(program_id, inp.session_id, inp.name, duration)
+        self.runtime.tool_ended(program_id, inp.session_id, inp.name, duration, activity=False)
 
     @activity.defn(name=PROGRAM_END_ACTIVITY)
     async def program_end(self, inp: ProgramEndInput) -> None:
@@ -137,14 +139,17 @@ class _ActivityInbound(ActivityInboundInterceptor):
             # Someone else's model call (openai_agents): estimate tokens from the size of its input.
             ctx = len(arg.prompt_token_ids) if isinstance(arg, LLMInput) else len(repr(arg)) // 4
             rt.turn_started(program_id, session_id, ctx, info.workflow_type or "")
-            out_ctx: int | None = None
             try:
                 result = await self.next.execute_activity(input)
-                if isinstance(result, LLMResult):
-                    out_ctx = result.num_prompt_tokens + len(result.token_ids)
-                return result
-            finally:
-                rt.turn_ended(program_id, session_id, out_ctx)
+            except BaseException:
+                # A failed attempt is not a turn (Temporal may retry it): no TurnEnded, no turn-end pin.
+                rt.turn_failed(program_id, session_id)
+                raise
+            out_ctx: int | None = None
+            if isinstance(result, LLMResult):
+                out_ctx = result.num_prompt_tokens + len(result.token_ids)
+            rt.turn_ended(program_id, session_id, out_ctx)
+            return result
         tool = header_text(input.headers, TOOL_HEADER) or info.activity_type
         t0 = time.monotonic()
         rt.tool_started(program_id, session_id, tool, info.workflow_type or "")

@@ -117,6 +117,7 @@ class HintPublisher:
         max_batch: int = 256,
         ack_timeout_s: float = 10.0,
         on_ack: Callable[[list[HintModel], HintAck], None] | None = None,
+        on_drop: Callable[[list[HintModel], str], None] | None = None,
         client_factory: Callable[[str], EngineClient] = EngineClient,
     ) -> None:
         if max_pending < 1 or max_batch < 1 or backoff_initial_s <= 0 or backoff_max_s < backoff_initial_s:
@@ -124,7 +125,7 @@ class HintPublisher:
         self.address = address
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.max_pending, self.max_batch, self.ack_timeout_s = max_pending, max_batch, ack_timeout_s
-        self.on_ack, self._client_factory = on_ack, client_factory
+        self.on_ack, self.on_drop, self._client_factory = on_ack, on_drop, client_factory
         m = _metrics_for(REGISTRY if registry is None else registry)
         self._metrics, self._connected_gauge = m, m.connected.labels(node=address)
         self._connected_gauge.set(0)
@@ -198,20 +199,27 @@ class HintPublisher:
             return self._inflight[0].seq
         return self._queue[0].seq if self._queue else self._seq + 1
 
-    def _drop(self, n: int, reason: str) -> None:
-        if n:
-            self.num_dropped += n
-            self._metrics.dropped.labels(node=self.address, reason=reason).inc(n)
-            self._progress.set()
+    def _drop(self, dropped: list[HintModel], reason: str) -> None:
+        """Count hints that will never be sent (``on_drop`` gets them as published, before aging)."""
+        if not dropped:
+            return
+        n = len(dropped)
+        self.num_dropped += n
+        self._metrics.dropped.labels(node=self.address, reason=reason).inc(n)
+        self._progress.set()
+        if self.on_drop is not None:
+            try:
+                self.on_drop(dropped, reason)
+            except Exception:
+                log.exception("on_drop callback failed")
 
     def _enforce_bound(self) -> None:
         excess = len(self._queue) - self.max_pending
-        for _ in range(excess):
-            self._queue.popleft()
+        dropped = [self._queue.popleft().hint for _ in range(excess)]
         if excess > 0:  # warn once until the next ack, then only count
             level, self._warned_full = logging.DEBUG if self._warned_full else logging.WARNING, True
             log.log(level, "hint queue for %s full (%d): dropping the oldest", self.address, self.max_pending)
-            self._drop(excess, "queue-full")
+            self._drop(dropped, "queue-full")
 
     async def _drop_client(self) -> None:
         client, self._client = self._client, None
@@ -224,12 +232,12 @@ class HintPublisher:
         now = time.monotonic()
         items: list[_Item] = []
         hints: list[HintModel] = []
-        expired = 0
+        expired: list[HintModel] = []
         while self._queue and len(items) < self.max_batch:
             item = self._queue.popleft()
             hint = _aged(item.hint, now - item.enqueued_s)
             if hint is None:
-                expired += 1
+                expired.append(item.hint)
                 continue
             items.append(item)
             hints.append(hint)

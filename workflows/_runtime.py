@@ -18,6 +18,17 @@ its router, reports and ``LLMResult.node`` by the spec's canonical name.
 Hints about a session go to the node holding it (unknown sessions, e.g. model calls that did not go through
 our nodes, go to every node; the node answers NOT_FOUND where it has no such session).  ``Release`` goes to
 every node.  Times in events are ``time.monotonic()``; hints carry durations, so clocks never mix.
+
+What the policy returns is checked again before it leaves (each hint must be one of ``hints``' models and
+pass its validation afresh): a bad one is dropped, counted in ``policy.num_invalid_hints`` and
+``hintflow_invalid_hints_total{kind}``, logged once per kind, and never raises into the user's activity.
+
+Programs whose end the workflow never reports (terminated, timed out, or run on a worker that died) are
+not kept forever: a tool whose activity returned ends its pause after ``tool_grace_s`` without a next
+turn (so pins are no longer renewed), and a program with no event and no activity running here for
+``reap_after_s`` is reaped: ``Release`` to every node, its state dropped here and in the policy (it gets
+``ProgramEnded`` with ``num_turns=0``, so the turn-count estimate does not learn from it), counted in
+``hintflow_programs_reaped_total``.  A reaped program that comes back is tracked afresh.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
@@ -38,10 +50,13 @@ from hints import (
     EngineClient,
     EngineSpec,
     EvictionOrder,
+    Expect,
     GenerateResult,
     HintAck,
     HintModel,
     Pin,
+    Prefetch,
+    Priority,
     Release,
     VllmClient,
     VllmError,
@@ -72,6 +87,8 @@ logger = logging.getLogger(__name__)
 
 MAX_PROGRAMS = 10_000  # finished programs (and sessions) whose stats are kept for reports
 MAX_EVENTS = 100_000
+_HINT_TYPES: tuple[type, ...] = (Priority, Pin, EvictionOrder, Prefetch, Expect, Release)
+_ENDED = frozenset({"completed", "failed", "cancelled"})  # the workflow said so (program_end)
 
 
 def turn_client(spec: str | EngineSpec) -> EngineClient | VllmClient:
@@ -97,7 +114,7 @@ class ProgramStats:
     pins_placed: int = 0  # pins with ttl > 0 the node accepted
     pins_expired: int = 0  # pins whose lease ran out before the session's next turn
     pins_held: int = 0  # pins still live when the session came back
-    status: str = "running"
+    status: str = "running"  # "completed" | "failed" | "cancelled" | "reaped" (no event for reap_after_s)
 
 
 @dataclass
@@ -109,6 +126,8 @@ class _SessionInfo:
     tool: str | None = None  # the pause in progress (tool started, next turn not yet)
     tool_started_s: float = 0.0
     tool_done: bool = False  # its activity returned; the context waits for the next turn
+    tool_done_s: float = 0.0
+    in_turn: bool = False  # TurnStarted was fed and no TurnEnded yet (a failed attempt is retried)
 
 
 class HintRuntime:
@@ -124,9 +143,18 @@ class HintRuntime:
         tick_s: float = 0.05,
         watch_interval_s: float = 0.5,
         registry: CollectorRegistry | None = None,
+        tool_grace_s: float = 5.0,
+        reap_after_s: float = 600.0,
     ) -> None:
+        """``tool_grace_s``: how long after a tool's activity returned the session still counts as in
+        that pause when no next turn comes (the next turn may run on another worker, or the program was
+        terminated).  ``reap_after_s``: a program with no event, and no activity running on this worker,
+        for this long is taken for gone (see the module doc)."""
         if not engines:
             raise ValueError("HintRuntime needs at least one engine address (host:port)")
+        for name, value in (("tool_grace_s", tool_grace_s), ("reap_after_s", reap_after_s)):
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"HintRuntime: {name} must be a finite number > 0, got {value!r}")
         specs = [parse_engine(e) for e in engines]
         self.specs: dict[str, EngineSpec] = {s.name: s for s in specs}  # by name, first kept
         self.engines = list(self.specs)
@@ -144,6 +172,13 @@ class HintRuntime:
         self._auto_host_reload = isinstance(policy, str)
         self.tick_s = tick_s
         self.watch_interval_s = watch_interval_s
+        self.tool_grace_s = float(tool_grace_s)
+        self.reap_after_s = float(reap_after_s)
+        self._last_event_s: dict[str, float] = {}  # live program -> monotonic time of its last event
+        self._running: dict[str, int] = {}  # live program -> its activities running on this worker
+        self._tools_done: dict[str, float] = {}  # session -> when its tool's activity returned
+        self._next_reap_check_s = 0.0
+        self._logged_invalid: set[str] = set()
         self.registry = registry if registry is not None else CollectorRegistry()
         # Reports keep the most recent programs only: a worker runs for weeks.
         self.programs: dict[str, ProgramStats] = {}
@@ -165,6 +200,17 @@ class HintRuntime:
             ["kind"],
             registry=self.registry,
         )
+        self._m_invalid = Counter(
+            "hintflow_invalid_hints_total",
+            "Hints from the policy dropped before sending because they failed validation, by kind",
+            ["kind"],
+            registry=self.registry,
+        )
+        self._m_reaped = Counter(
+            "hintflow_programs_reaped_total",
+            "Programs released after reap_after_s seconds without an event (their end never reported)",
+            registry=self.registry,
+        )
         self.publishers: dict[str, HintPublisher] = {}
         self.clients: dict[str, EngineClient | VllmClient] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -176,7 +222,9 @@ class HintRuntime:
             return
         self._started = True
         for addr, spec in self.specs.items():
-            pub = HintPublisher(spec.hint_address, registry=self.registry, on_ack=self._on_ack)
+            pub = HintPublisher(
+                spec.hint_address, registry=self.registry, on_ack=self._on_ack, on_drop=self._on_drop
+            )
             pub.start()
             self.publishers[addr] = pub
             self.clients[addr] = turn_client(spec)
@@ -251,27 +299,102 @@ class HintRuntime:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
-            self._feed(Tick(time.monotonic()))
+            now = time.monotonic()
+            self._feed(Tick(now))
+            try:
+                self.sweep(now)
+            except Exception:  # bookkeeping must never stop the ticks
+                logger.exception("hintflow runtime: sweep failed")
+
+    def sweep(self, now: float) -> None:
+        """End pauses whose tool returned ``tool_grace_s`` ago without a next turn; reap programs idle for
+        ``reap_after_s``.  Called from the tick loop (``now``: ``time.monotonic()``)."""
+        for sid, done_s in list(self._tools_done.items()):
+            if now - done_s < self.tool_grace_s:
+                continue
+            del self._tools_done[sid]
+            s = self.sessions.get(sid)
+            if s is not None and s.tool is not None and s.tool_done:
+                self._close_pause(s, sid, now)
+        if now < self._next_reap_check_s:
+            return
+        self._next_reap_check_s = now + min(1.0, self.reap_after_s / 10)
+        for pid, last in list(self._last_event_s.items()):
+            if now - last >= self.reap_after_s and not self._running.get(pid, 0):
+                self.reap(pid, now)
+
+    def reap(self, program_id: str, now: float | None = None) -> None:
+        """Take ``program_id`` for gone: the policy gets ``ProgramEnded`` (``num_turns=0``: not a sample of
+        how long programs run), every node gets ``Release``, and its sessions are dropped here."""
+        now = time.monotonic() if now is None else now
+        p = self._program(program_id)
+        logger.info(
+            "hintflow runtime: no event from program %s for %.0f s; releasing its contexts",
+            program_id, self.reap_after_s,
+        )  # fmt: skip
+        self._m_reaped.inc()
+        p.status = "reaped"
+        # A pause still open is not reported: when it ended is unknown, and the pause model must not learn
+        # a terminated program's wait as a tool's run time.
+        released = self._feed(ProgramEnded(program_id, now, 0))
+        if not any(isinstance(h, Release) and h.program_id == program_id for h in released):
+            with contextlib.suppress(ValueError):  # an id no Release can carry: the leases lapse anyway
+                self.publish([Release(program_id=program_id)])
+        self._forget(program_id)
 
     # ---- events -------------------------------------------------------------------------------------
     def _program(self, program_id: str) -> ProgramStats:
         return self.programs.setdefault(program_id, ProgramStats())
 
+    def _live_program(self, program_id: str, now: float) -> ProgramStats:
+        """The program a *start* event belongs to: a reaped one that comes back runs on (its stats kept);
+        one whose end the workflow reported is a new run under the same workflow id (fresh stats)."""
+        p = self.programs.get(program_id)
+        if p is None or p.status in _ENDED:
+            p = self.programs[program_id] = ProgramStats()
+        elif p.status != "running":
+            p.status = "running"
+        self._last_event_s[program_id] = now
+        return p
+
+    def _ended(self, program_id: str, session_id: str) -> bool:
+        """An *end* event (a turn or tool that returned) of a session we no longer track, of a program that
+        ended or was reaped: the tail of a finished run (e.g. the tool of an OR join's cancelled branch)."""
+        p = self.programs.get(program_id)
+        return session_id not in self.sessions and p is not None and p.status != "running"
+
     def _session(self, session_id: str, program_id: str) -> _SessionInfo:
         return self.sessions.setdefault(session_id, _SessionInfo(program_id))
+
+    def _sessions_of(self, program_id: str) -> list[tuple[str, _SessionInfo]]:
+        return [(sid, s) for sid, s in self.sessions.items() if s.program_id == program_id]
+
+    def _activity(self, program_id: str, delta: int) -> None:
+        n = self._running.get(program_id, 0) + delta
+        if n > 0:
+            self._running[program_id] = n
+        else:
+            self._running.pop(program_id, None)
 
     def program_submitted(self, program_id: str, submitted_unix_s: float) -> None:
         """Date the program from when the client submitted it (program-level FCFS)."""
         note = getattr(self.policy, "note_program_start", None)
-        if note is not None and program_id not in self.programs:
+        p = self.programs.get(program_id)
+        if note is not None and (p is None or p.status != "running"):
             note(program_id, time.monotonic() - max(0.0, time.time() - submitted_unix_s))
-        self._program(program_id)
+        self._live_program(program_id, time.monotonic())
 
     def turn_started(self, program_id: str, session_id: str, context_tokens: int, workflow: str = "") -> None:
+        """A model-call attempt starts.  A retry of an attempt that failed (no other event of the session
+        in between) is the same turn: the policy is not told again."""
         now = time.monotonic()
+        p = self._live_program(program_id, now)
+        self._activity(program_id, +1)
         s = self._session(session_id, program_id)
-        p = self._program(program_id)
-        p.num_turns += 1
+        s.context_tokens = context_tokens
+        if s.in_turn:
+            return
+        s.in_turn = True
         outcome = "none"
         if s.pin_deadline_s is not None:
             outcome = "expired" if now > s.pin_deadline_s else "held"
@@ -281,51 +404,96 @@ class HintRuntime:
                 p.pins_held += 1
             s.pin_deadline_s = None
         self.pin_outcomes.setdefault(session_id, []).append(outcome)
-        s.context_tokens = context_tokens
-        self._close_pause(s, session_id)
+        self._close_pause(s, session_id, now)
         self._feed(TurnStarted(program_id, session_id, now, context_tokens, workflow))
 
     def turn_ended(self, program_id: str, session_id: str, context_tokens: int | None = None) -> None:
+        """A model-call attempt succeeded: one turn."""
+        self._activity(program_id, -1)
+        if self._ended(program_id, session_id):
+            return
+        now = time.monotonic()
+        self._last_event_s[program_id] = now
         s = self._session(session_id, program_id)
+        s.in_turn = False
+        self._program(program_id).num_turns += 1
         if context_tokens is not None:
             s.context_tokens = context_tokens
-        self._feed(TurnEnded(program_id, session_id, time.monotonic(), s.context_tokens))
+        self._feed(TurnEnded(program_id, session_id, now, s.context_tokens))
 
-    def tool_started(self, program_id: str, session_id: str, tool: str, workflow: str = "") -> None:
-        s = self._session(session_id, program_id)
-        self._close_pause(s, session_id)
-        self._program(program_id).num_tools += 1
+    def turn_failed(self, program_id: str, session_id: str) -> None:
+        """A model-call attempt failed (Temporal may retry it): no turn counted, no TurnEnded; the session
+        stays in its turn for the policy until the retry, its next tool or the program's end."""
+        self._activity(program_id, -1)
+        if not self._ended(program_id, session_id):
+            self._last_event_s[program_id] = time.monotonic()
+
+    def tool_started(
+        self, program_id: str, session_id: str, tool: str, workflow: str = "", *, activity: bool = True
+    ) -> None:
+        """A pause starts: a tool's activity (``activity=True``: its end is certain to be reported, and
+        the program is not reaped while it runs) or a wait marked by ``pause(...)``."""
         now = time.monotonic()
+        p = self._live_program(program_id, now)
+        if activity:
+            self._activity(program_id, +1)
+        s = self._session(session_id, program_id)
+        s.in_turn = False
+        self._close_pause(s, session_id, now)
+        p.num_tools += 1
         s.tool, s.tool_started_s, s.tool_done = tool, now, False
         self._feed(ToolStarted(program_id, session_id, tool, now, s.context_tokens, workflow))
 
-    def tool_ended(self, program_id: str, session_id: str, tool: str, duration_s: float) -> None:
+    def tool_ended(
+        self, program_id: str, session_id: str, tool: str, duration_s: float, *, activity: bool = True
+    ) -> None:
         """The tool's activity returned.  The pause is reported when the session's next turn (or tool, or
         the program's end) starts: what a pin must cover is the whole time the context sits idle, which
-        includes the orchestrator scheduling the next model call, not the tool's run time alone."""
-        s = self._session(session_id, program_id)
-        if s.tool is None:  # no start seen (e.g. a runtime restart): report what the activity measured
-            self._feed(ToolEnded(program_id, session_id, tool, time.monotonic(), duration_s))
-            return
-        s.tool_done = True
-
-    def _close_pause(self, s: _SessionInfo, session_id: str) -> None:
-        if s.tool is None:
+        includes the orchestrator scheduling the next model call, not the tool's run time alone.  If no
+        next turn comes within ``tool_grace_s`` (it runs on another worker, or the program was
+        terminated), :meth:`sweep` reports the pause then."""
+        if activity:
+            self._activity(program_id, -1)
+        if self._ended(program_id, session_id):
             return
         now = time.monotonic()
+        self._last_event_s[program_id] = now
+        s = self._session(session_id, program_id)
+        if s.tool is None:  # no start seen (e.g. a runtime restart): report what the activity measured
+            self._feed(ToolEnded(program_id, session_id, tool, now, duration_s))
+            return
+        s.tool_done, s.tool_done_s = True, now
+        self._tools_done[session_id] = now
+
+    def _close_pause(self, s: _SessionInfo, session_id: str, now: float | None = None) -> None:
+        if s.tool is None:
+            return
+        now = time.monotonic() if now is None else now
         tool, started = s.tool, s.tool_started_s
-        s.tool = None
-        self._feed(ToolEnded(s.program_id, session_id, tool, now, max(0.0, now - started)))
+        # Ended by the grace period: the idle time after the activity returned is not the tool's.
+        end = s.tool_done_s if s.tool_done and now - s.tool_done_s >= self.tool_grace_s else now
+        s.tool, s.tool_done = None, False
+        self._tools_done.pop(session_id, None)
+        self._feed(ToolEnded(s.program_id, session_id, tool, now, max(0.0, end - started)))
 
     def program_ended(self, program_id: str, status: str = "completed") -> None:
         p = self._program(program_id)
         p.status = status
-        for sid, s in self.sessions.items():
-            if s.program_id == program_id:
-                self._close_pause(s, sid)
-        self._feed(ProgramEnded(program_id, time.monotonic(), p.num_turns))
-        for sid in [sid for sid, s in self.sessions.items() if s.program_id == program_id]:
+        now = time.monotonic()
+        for sid, s in self._sessions_of(program_id):
+            self._close_pause(s, sid, now)
+        self._feed(ProgramEnded(program_id, now, p.num_turns))
+        self._forget(program_id)
+
+    def _forget(self, program_id: str) -> None:
+        """Drop what the runtime keeps about a program that ended (or was reaped)."""
+        gone = {sid for sid, _ in self._sessions_of(program_id)}
+        for sid in gone:
             del self.sessions[sid]
+            self._tools_done.pop(sid, None)
+        for key in [k for k in self._pin_deadline_at_send if k[0] in gone]:
+            del self._pin_deadline_at_send[key]
+        self._last_event_s.pop(program_id, None)
         self._trim_history()
 
     def _trim_history(self) -> None:
@@ -335,27 +503,54 @@ class HintRuntime:
         for sid in list(self.pin_outcomes)[: max(0, len(self.pin_outcomes) - MAX_PROGRAMS)]:
             del self.pin_outcomes[sid]
 
-    def _feed(self, event: Any) -> None:
+    def _feed(self, event: Any) -> list[HintModel]:
+        """Tell the policy; publish what it returns (validated); return what was published."""
         kind = type(event).__name__
         if kind != "Tick":
             self.events.append(event)
             self._m_events.labels(kind).inc()
         try:
             hints = self.policy.on_event(event)
+            return self.publish(hints) if hints else []
         except Exception:  # a policy bug must not fail the user's activity
-            logger.exception("policy %s failed on %s", self.policy.name, kind)
-            return
-        if hints:
-            self.publish(hints)
+            logger.exception("policy %s failed on %s", getattr(self.policy, "name", "?"), kind)
+            return []
+
+    def _valid(self, hints: Any) -> list[HintModel]:
+        """The hints that are ``hints`` models and pass validation afresh (a policy may build them with
+        ``model_construct`` or return anything at all); the rest are dropped, counted and logged."""
+        out: list[HintModel] = []
+        for h in hints:
+            kind = type(h).__name__
+            try:
+                if type(h) not in _HINT_TYPES:
+                    raise TypeError(f"not a hint: {h!r:.200}")
+                out.append(type(h).model_validate(h.model_dump(warnings=False)))
+            except Exception as exc:
+                self._m_invalid.labels(kind).inc()
+                try:
+                    self.policy.num_invalid_hints += 1
+                except Exception:  # a policy object without the counter (or a read-only one)
+                    logger.debug("policy has no num_invalid_hints to count in", exc_info=True)
+                level = logging.DEBUG if kind in self._logged_invalid else logging.WARNING
+                self._logged_invalid.add(kind)
+                logger.log(
+                    level, "policy %s returned an invalid %s, dropped (only the first of each kind is "
+                    "logged as a warning): %s", getattr(self.policy, "name", "?"), kind, exc,
+                )  # fmt: skip
+        return out
 
     # ---- hints out ----------------------------------------------------------------------------------
     def _nodes_for(self, session_id: str) -> list[str]:
         s = self.sessions.get(session_id)
         return [s.node] if s is not None and s.node in self.publishers else list(self.publishers)
 
-    def publish(self, hints: Sequence[HintModel]) -> None:
-        """Send each hint to the node(s) it concerns; validated hints only (the policy built them)."""
+    def publish(self, hints: Sequence[HintModel]) -> list[HintModel]:
+        """Send each hint to the node(s) it concerns; each is validated again first (see :meth:`_valid`).
+        Returns the hints that passed."""
+        hints = self._valid(hints)
         per_node: dict[str, list[HintModel]] = defaultdict(list)
+        pin_deadlines: dict[tuple[str, str], float] = {}
         for h in hints:
             self._m_hints.labels(h.kind).inc()
             if isinstance(h, Release):
@@ -373,13 +568,27 @@ class HintRuntime:
                 if isinstance(h, Pin) and h.ttl_s > 0.0:
                     # The node's lease runs from receipt, never before now: now + ttl is a lower bound of
                     # its deadline, so "held" in the stats is never claimed for a pin the node let go.
-                    self._pin_deadline_at_send[(sid, h.reason)] = time.monotonic() + h.ttl_s
+                    pin_deadlines[(sid, h.reason)] = time.monotonic() + h.ttl_s
                 for addr in self._nodes_for(sid):
                     per_node[addr].append(h)
         if not self._started:
-            return  # a late activity after stop(): nothing to deliver to
+            return hints  # a late activity after stop(): nothing to deliver to
+        self._pin_deadline_at_send.update(pin_deadlines)
         for addr, batch in per_node.items():
             self.publishers[addr].publish(batch)
+        return hints
+
+    def _on_drop(self, hints: list[HintModel], reason: str) -> None:
+        """The publisher dropped these (lapsed in its queue, or the queue was full): no ack will come."""
+        now = time.monotonic()
+        for h in hints:
+            if not isinstance(h, Pin) or h.ttl_s == 0.0:
+                continue
+            key = (h.session_id, h.reason)
+            deadline = self._pin_deadline_at_send.get(key)
+            # A later pin under the same key may be live: keep its deadline unless the queue overflowed.
+            if deadline is not None and (deadline <= now or reason != "expired"):
+                del self._pin_deadline_at_send[key]
 
     def _on_ack(self, hints: list[HintModel], ack: HintAck) -> None:
         now = time.monotonic()
@@ -402,9 +611,12 @@ class HintRuntime:
     # ---- model calls --------------------------------------------------------------------------------
     async def generate(self, program_id: str, inp: LLMInput) -> LLMResult:
         """Route the call, run it on a node; another node is tried when the chosen one is unreachable."""
-        req = RouteRequest(
-            inp.session_id, program_id, len(inp.prompt_token_ids), inp.prefix_key, inp.prefix_tokens
-        )
+        try:
+            req = RouteRequest(
+                inp.session_id, program_id, len(inp.prompt_token_ids), inp.prefix_key, inp.prefix_tokens
+            )
+        except (ValueError, TypeError) as exc:  # the call's own arguments: retrying cannot help
+            raise InvalidPrompt(str(exc)) from None
         tried: list[str] = []
         last_error = "no node has reported its cache state yet"
         while True:

@@ -7,19 +7,23 @@ Runs inside the workflow sandbox (imports only temporalio and the standard libra
   ``hintflow-submitted-unix-s`` (when the client submitted the program, for program-level FCFS), so the
   worker-side interceptor knows what each activity is without reading its arguments;
 * when the workflow finishes (completed, failed or cancelled, not continued-as-new), a local activity
-  ``hintflow.program_end`` tells the runtime, which sends ``Release`` for the program.
+  ``hintflow.program_end`` tells the runtime, which sends ``Release`` for the program.  A plain exception
+  (not a ``FailureError``, nor a type the workflow or worker declared a workflow failure) fails only the
+  workflow *task*, which Temporal retries with the program still running: it is re-raised untouched and
+  ends nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
 from temporalio.api.common.v1 import Payload
-from temporalio.exceptions import is_cancelled_exception
+from temporalio.exceptions import FailureError, is_cancelled_exception
 from temporalio.worker import (
     ExecuteWorkflowInput,
     StartActivityInput,
@@ -51,6 +55,23 @@ def header_text(headers: Mapping[str, Payload], key: str) -> str | None:
     return p.data.decode("utf-8", errors="replace") if p is not None else None
 
 
+def _end_status(exc: BaseException) -> str:
+    """How ``exc`` leaving the workflow function ends the program: "cancelled", "failed", or "" when it
+    fails only the workflow task (Temporal retries the task; the program is still running)."""
+    if is_cancelled_exception(exc):
+        return "cancelled"
+    if isinstance(exc, FailureError):
+        return "failed"
+    # asyncio.TimeoutError and the failure_exception_types of the workflow or worker also fail the
+    # workflow; the SDK's own check knows them (where this SDK version has it).
+    is_failure = getattr(workflow, "is_failure_exception", None)
+    if is_failure is not None:
+        with contextlib.suppress(Exception):
+            if is_failure(exc):
+                return "failed"
+    return ""
+
+
 class HintflowWorkflowInbound(WorkflowInboundInterceptor):
     submitted: str | None = None
 
@@ -66,7 +87,7 @@ class HintflowWorkflowInbound(WorkflowInboundInterceptor):
             status = ""  # the program goes on in the next run
             raise
         except BaseException as exc:
-            status = "cancelled" if is_cancelled_exception(exc) else "failed"
+            status = _end_status(exc)  # "" for a task failure: Temporal retries it, the program goes on
             raise
         finally:
             if status:

@@ -4,11 +4,58 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+from temporalio.exceptions import ApplicationError
 
 from workflows._api import LLMResult
 
-__all__ = ["ProgramReport", "TurnReport", "fixed_prefix", "lognormal_params", "sample_pause_s"]
+__all__ = [
+    "ProgramReport",
+    "TurnReport",
+    "check_input",
+    "fixed_prefix",
+    "input_problems",
+    "lognormal_params",
+    "sample_pause_s",
+]
+
+
+def input_problems(
+    inp: Any,
+    *,
+    at_least_one: Iterable[str] = (),
+    non_negative: Iterable[str] = (),
+    positive: Iterable[str] = (),
+    non_negative_s: Iterable[str] = (),
+) -> list[str]:
+    """What is wrong with an example's input: counts are integers (``at_least_one`` >= 1, ``non_negative``
+    >= 0), times and rates finite numbers (``positive`` > 0, ``non_negative_s`` >= 0).  Pure Python, so
+    ``hintflow run`` checks an input with it before starting anything, and the workflow again."""
+    out: list[str] = []
+    for name in at_least_one:
+        v = getattr(inp, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            out.append(f"{name} must be an integer >= 1, got {v!r}")
+    for name in non_negative:
+        v = getattr(inp, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            out.append(f"{name} must be an integer >= 0, got {v!r}")
+    for names, lowest, bound in ((positive, "> 0", False), (non_negative_s, ">= 0", True)):
+        for name in names:
+            v = getattr(inp, name)
+            ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or (v < 0 if bound else v <= 0):
+                out.append(f"{name} must be a finite number {lowest}, got {v!r}")
+    return out
+
+
+def check_input(problems: list[str]) -> None:
+    """Fail the workflow, not its task (which Temporal would retry forever), on a bad input."""
+    if problems:
+        raise ApplicationError("; ".join(problems), type="InvalidInput", non_retryable=True)
 
 
 @dataclass

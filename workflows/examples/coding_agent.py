@@ -5,10 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
 
 from workflows._api import current_session, llm, tool
-from workflows.examples._common import ProgramReport, fixed_prefix, sample_pause_s
+from workflows.examples._common import (
+    ProgramReport,
+    check_input,
+    fixed_prefix,
+    input_problems,
+    sample_pause_s,
+)
 
 __all__ = ["CodingAgent", "CodingAgentInput"]
 
@@ -26,13 +31,25 @@ class CodingAgentInput:
     time_scale: float = 1.0  # multiplies every sampled pause (tests and demos run the same shape faster)
     vocab_size: int = 256
 
+    def problems(self) -> list[str]:
+        """Empty when the input is valid; else what is wrong with it, one line per field."""
+        out = input_problems(
+            self,
+            at_least_one=("turns", "output_tokens", "vocab_size"),
+            non_negative=("system_prompt_tokens", "task_tokens", "tool_output_tokens"),
+            positive=("tool_mean_s",),
+            non_negative_s=("tool_sd_s", "tool_max_s", "time_scale"),
+        )
+        if not out and self.system_prompt_tokens + self.task_tokens < 1:
+            out.append("system_prompt_tokens + task_tokens must be >= 1 (the first prompt)")
+        return out
+
 
 @workflow.defn(name="hintflow.examples.CodingAgent")
 class CodingAgent:
     @workflow.run
     async def run(self, inp: CodingAgentInput) -> ProgramReport:
-        if inp.turns < 1:
-            raise ApplicationError(f"turns must be >= 1, got {inp.turns}", type="InvalidInput", non_retryable=True)
+        check_input(inp.problems())
         rng = workflow.random()
         start = workflow.time()
         report = ProgramReport(workflow.info().workflow_id, "coding-agent")

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
 
 from workflows._api import current_session, llm, pause
-from workflows.examples._common import ProgramReport
+from workflows.examples._common import ProgramReport, check_input, input_problems
 
 __all__ = ["HumanInLoop", "HumanInLoopInput"]
 
@@ -30,6 +29,16 @@ class HumanInLoopInput:
     human_sigma: float = 0.8
     time_scale: float = 1.0
     vocab_size: int = 256
+
+    def problems(self) -> list[str]:
+        """Empty when the input is valid; else what is wrong with it, one line per field."""
+        return input_problems(
+            self,
+            at_least_one=("rounds", "prompt_tokens", "output_tokens", "vocab_size"),
+            non_negative=("feedback_tokens",),
+            positive=("human_median_s",),
+            non_negative_s=("human_sigma", "time_scale"),
+        )
 
 
 @workflow.defn(name="hintflow.examples.HumanInLoop")
@@ -46,8 +55,7 @@ class HumanInLoop:
 
     @workflow.run
     async def run(self, inp: HumanInLoopInput) -> ProgramReport:
-        if inp.rounds < 1:
-            raise ApplicationError(f"rounds must be >= 1, got {inp.rounds}", type="InvalidInput", non_retryable=True)
+        check_input(inp.problems())
         rng = workflow.random()
         start = workflow.time()
         report = ProgramReport(workflow.info().workflow_id, "human-in-loop")

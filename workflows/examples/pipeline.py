@@ -11,10 +11,15 @@ import asyncio
 from dataclasses import dataclass
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
 
 from workflows._api import current_session, llm, session, tool
-from workflows.examples._common import ProgramReport, fixed_prefix, sample_pause_s
+from workflows.examples._common import (
+    ProgramReport,
+    check_input,
+    fixed_prefix,
+    input_problems,
+    sample_pause_s,
+)
 
 __all__ = ["Pipeline", "PipelineInput"]
 
@@ -33,15 +38,26 @@ class PipelineInput:
     time_scale: float = 1.0
     vocab_size: int = 256
 
+    def problems(self) -> list[str]:
+        """Empty when the input is valid; else what is wrong with it, one line per field."""
+        out = [] if self.join in ("and", "or") else [f"join must be 'and' or 'or', got {self.join!r}"]
+        out += input_problems(
+            self,
+            at_least_one=("num_workers", "output_tokens", "vocab_size"),
+            non_negative=("system_prompt_tokens", "task_tokens", "tool_output_tokens"),
+            positive=("tool_mean_s",),
+            non_negative_s=("tool_sd_s", "tool_max_s", "time_scale"),
+        )
+        if not out and self.system_prompt_tokens + self.task_tokens < 1:
+            out.append("system_prompt_tokens + task_tokens must be >= 1 (the planner's prompt)")
+        return out
+
 
 @workflow.defn(name="hintflow.examples.Pipeline")
 class Pipeline:
     @workflow.run
     async def run(self, inp: PipelineInput) -> ProgramReport:
-        if inp.join not in ("and", "or"):
-            raise ApplicationError(f"join must be 'and' or 'or', got {inp.join!r}", type="InvalidInput", non_retryable=True)
-        if inp.num_workers < 1:
-            raise ApplicationError(f"num_workers must be >= 1, got {inp.num_workers}", type="InvalidInput", non_retryable=True)
+        check_input(inp.problems())
         rng = workflow.random()
         start = workflow.time()
         report = ProgramReport(workflow.info().workflow_id, f"pipeline-{inp.join}")
