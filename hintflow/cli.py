@@ -565,8 +565,9 @@ def _check_policy(spec: str) -> None:
         raise click.BadParameter(str(e), param_hint="--policy") from None
 
 
-_POLICY_HELP = ("Hint policy by name, with options as NAME:KEY=VALUE,... (rel_change, renew_ahead_s, "
-                "pause.min_samples, pause.default_mean_s, pause.capacity), e.g. hintflow:rel_change=0.05.")
+_POLICY_HELP = ("Hint policy by name, with options as NAME:KEY=VALUE,... (rel_change, min_change_s, "
+                "renew_ahead_s, pause.min_samples, pause.default_mean_s, pause.capacity), e.g. "
+                "hintflow:rel_change=0.05.")
 
 
 @hintflow.command("worker")

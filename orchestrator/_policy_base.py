@@ -73,6 +73,7 @@ class _BasePolicy:
         prefill_reload: Callable[[int], float] = _default_reload,
         *,
         rel_change: float = 0.1,
+        min_change_s: float = 0.0,
         renew_ahead_s: float | None = None,
         host_reload: Callable[[int], float] | None = None,
     ) -> None:
@@ -83,6 +84,10 @@ class _BasePolicy:
         self.host_reload = host_reload
         self.ttl = ContinuumTTL(self.pause_model, prefill_reload)
         self.rel_change = rel_change
+        # ... and by more than this many seconds: a prediction that stays "D from now" (memoryless) moves
+        # its deadline with the clock, and would be re-sent every rel_change * D seconds, every tick for
+        # a small D; this bounds that re-send rate per session.
+        self.min_change_s = min_change_s
         # Renew a pin this long before it lapses (the Tick period), so a renewed lease never has a gap.
         self.renew_ahead_s = self.default_renew_ahead_s if renew_ahead_s is None else renew_ahead_s
         self.num_invalid_hints = 0
@@ -152,7 +157,7 @@ class _BasePolicy:
             return True
         sent_at, sent_value = sent
         drift = abs((now_s + next_use_s) - (sent_at + sent_value))
-        return drift > self.rel_change * max(sent_value, next_use_s, 1e-3)
+        return drift > max(self.rel_change * max(sent_value, next_use_s, 1e-3), self.min_change_s)
 
     def _priority(self, ev: TurnStarted) -> list[HintModel]:
         start = self._program_start_s.get(ev.program_id, ev.now_s)

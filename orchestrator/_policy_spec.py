@@ -39,6 +39,8 @@ class Option:
 POLICY_OPTIONS: dict[str, Option] = {
     "rel_change": Option(float, "re-send a session's predicted next use only when it moved by more than "
                                 "this fraction (default 0.1)", minimum=0.0),
+    "min_change_s": Option(float, "... and only when it moved by more than this many seconds (default 0.0)",
+                           minimum=0.0),
     "renew_ahead_s": Option(float, "renew a pin this many seconds before its lease lapses (default: the "
                                    "policy's; the live runtime uses 5 ticks)", minimum=0.0, nullable=True),
     "pause.min_samples": Option(int, "pauses a tool needs before its own distribution is used; before "

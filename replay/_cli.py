@@ -53,7 +53,7 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
               help="a policy with some knobs turned, reported as NAME beside the others (repeatable): "
                    "BASE is a policy above (or an earlier variant); keys: its fields (routing, "
                    "eviction_policy, host_tier, cold_prefill_cap, ...), policy.KEY (rel_change, "
-                   "renew_ahead_s, pause.min_samples, pause.default_mean_s, pause.capacity) and "
+                   "min_change_s, renew_ahead_s, pause.min_samples, pause.default_mean_s, pause.capacity) and "
                    "scheduler.KEY (SchedulerConfig: max_num_seqs, cold_prefill_budget_tokens, "
                    "program_fcfs_aging_s, ...), e.g. 'eager=hintflow:policy.rel_change=0.02'")
 @click.option("--nodes", "num_nodes", type=click.IntRange(min=1), default=2, show_default=True)

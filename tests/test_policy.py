@@ -321,3 +321,16 @@ def test_hintflow_reprices_pins_when_its_nodes_gain_a_host_tier_and_keeps_what_i
     assert type(policy.ttl) is ContinuumTTL and policy.ttl.queue_delay_s == t and policy.ttl.eta == eta
     pins = [h for h in policy.on_event(ToolStarted(P, "s2", "bash", 2.0, 8000)) if isinstance(h, Pin)]
     assert pins and pins[0].ttl_s > 0  # the same pause is worth a pin when the context would be re-prefilled
+
+
+def test_min_change_s_bounds_how_often_a_memoryless_prediction_is_re_sent() -> None:
+    """A prediction that stays "D from now" moves its deadline with the clock: by default it is re-sent
+    whenever that drift passes rel_change * D (every other tick for D = 1 s); min_change_s bounds it."""
+
+    def orders(**kw: float) -> int:
+        policy = get_policy("hintflow", pause_model=PauseModel(), prefill_reload=lambda n: 0.5, **kw)
+        policy.on_event(ToolStarted(P, S, "bash", 0.0, 100))  # Exp(1) remaining: 1 s, whatever the elapsed
+        return sum(isinstance(h, EvictionOrder) for t in range(1, 201) for h in policy.on_event(Tick(0.05 * t)))
+
+    assert orders() >= 50
+    assert orders(min_change_s=2.0) <= 5
