@@ -7,7 +7,9 @@ name and the tested one; another version with every name logs one warning; ``ser
 it launches anything. With the vLLM venv's Python (skipped, saying why, where there is none): the
 installed vLLM passes, and ``HintflowScheduler`` / ``HintflowAsyncScheduler`` fail at construction, before
 vLLM builds anything, once a name is deleted from vLLM's own ``Scheduler`` or a hook is no longer called
-(by ``Scheduler``, or by ``AsyncScheduler`` alone).
+(by ``Scheduler``, or by ``AsyncScheduler`` alone). The host KV tier's names (``HOST_TIER_REQUIRED``) are
+checked the same way when the connector is constructed, under any scheduler, and ``_scheduler`` imports
+vLLM's scheduler classes only after the check, so a vLLM that moved one fails with the check's error.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import pytest
 
 from engine_adapter.vllm_backend import _serve
 from engine_adapter.vllm_backend._compat import (
+    HOST_TIER_COMPONENT,
+    HOST_TIER_REQUIRED,
     OVERRIDDEN_HOOKS,
     REQUIRED,
     SCHEDULER_CLASSES,
@@ -54,11 +58,13 @@ class _SchedulerBase:
         return True
 
 
-def _stand_ins(drop: str = "", base: type = _SchedulerBase) -> dict[str, type | None]:
+def _stand_ins(
+    drop: str = "", base: type = _SchedulerBase, required: dict[str, tuple[str, tuple[str, ...]]] = REQUIRED
+) -> dict[str, type | None]:
     """A class per required owner with every required name, less ``drop`` (``Owner.name``); the
     ``AsyncScheduler`` stand-in extends the ``Scheduler`` one, as vLLM's does."""
     classes: dict[str, type | None] = {}
-    for owner, (_, names) in REQUIRED.items():
+    for owner, (_, names) in required.items():
         bases: tuple[type, ...] = ()
         if owner == "Scheduler":
             bases = (base,)
@@ -80,8 +86,14 @@ def test_stand_ins_with_every_name_pass_quietly(caplog: pytest.LogCaptureFixture
 
 
 @pytest.mark.parametrize(
-    "drop", ["Scheduler._request_blocks_can_be_freed", "BlockPool.free_block_queue", "Request.session_id"]
-)
+    "drop",
+    [
+        "Scheduler._request_blocks_can_be_freed", "BlockPool.free_block_queue", "Request.session_id",
+        # preemptions, deferred block frees and cache resets (_hint_scheduler)
+        "CachedRequestData.resumed_req_ids", "Scheduler.reset_prefix_cache", "KVCacheManager.get_blocks",
+        "Request.is_finished",
+    ],
+)  # fmt: skip
 def test_a_missing_name_fails_naming_it_and_both_versions(drop: str) -> None:
     missing = missing_internals(_stand_ins(drop))
     assert missing == [drop]
@@ -89,6 +101,25 @@ def test_a_missing_name_fails_naming_it_and_both_versions(drop: str) -> None:
         verdict("0.33.1", missing)
     msg = str(err.value)
     assert "vLLM 0.33.1" in msg and drop in msg and f"tested against vLLM {TESTED_VLLM_VERSION}" in msg
+
+
+@pytest.mark.parametrize(
+    "drop",
+    [
+        "Request.num_in_flight_tokens", "Request.block_hashes", "KVConnectorBase_V1._kv_cache_manager",
+        "KVConnectorBase_V1._kv_transfer_config", "KVConnectorBase_V1._kv_cache_config",
+    ],
+)  # fmt: skip
+def test_the_host_tier_names_are_checked_with_the_same_error(drop: str) -> None:
+    """The host tier also runs under stock vLLM's scheduler, where no scheduler check runs: its own names,
+    before, were in no list (a renamed ``num_in_flight_tokens`` read as 0: blocks still being written saved)."""
+    assert missing_internals(_stand_ins(required=HOST_TIER_REQUIRED), HOST_TIER_REQUIRED) == []
+    missing = missing_internals(_stand_ins(drop, required=HOST_TIER_REQUIRED), HOST_TIER_REQUIRED)
+    assert missing == [drop]
+    with pytest.raises(RuntimeError) as err:
+        verdict("0.33.1", missing, component=HOST_TIER_COMPONENT)
+    msg = str(err.value)
+    assert msg.startswith(HOST_TIER_COMPONENT) and drop in msg and f"tested against vLLM {TESTED_VLLM_VERSION}" in msg
 
 
 def test_names_set_in_init_and_dataclass_fields_count_as_present() -> None:
@@ -215,6 +246,57 @@ print(json.dumps(out))
 """
 
 
+_HOST_TIER_MUTATE = r"""
+import json, sys
+from types import SimpleNamespace
+out = {}
+# vLLM's scheduler module moved: importing our scheduler classes fails with the check's error
+sys.modules["vllm.v1.core.sched.async_scheduler"] = None
+try:
+    import engine_adapter.vllm_backend._scheduler
+    out["moved"] = "imported"
+except RuntimeError as e:
+    out["moved"] = str(e)
+except ImportError as e:
+    out["moved"] = "ImportError: " + str(e)
+del sys.modules["vllm.v1.core.sched.async_scheduler"]
+import engine_adapter.vllm_backend._scheduler  # intact: imports
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from engine_adapter.vllm_backend._host_connector import HintflowHostTier
+
+def construct():
+    try:
+        HintflowHostTier(None, None)  # fails in our check, before vLLM's __init__ reads its arguments
+    except RuntimeError as e:
+        return str(e)
+    except Exception as e:
+        return "passed: " + type(e).__name__
+
+out["intact"] = construct()
+saved = KVConnectorBase_V1._get_connector_metadata
+del KVConnectorBase_V1._get_connector_metadata  # as a vLLM upgrade that renamed it
+out["deleted"] = construct()
+KVConnectorBase_V1._get_connector_metadata = saved
+
+# no silent defaults: an unbound cache manager, or a request without num_in_flight_tokens, is an error
+tier = object.__new__(HintflowHostTier)
+tier.block_size = 128
+req = SimpleNamespace(request_id="r", block_hashes=[1, 2], num_computed_tokens=256)
+tier._tracked = {"r": [req, 0]}
+tier._kv_cache_manager = None
+step = SimpleNamespace(num_scheduled_tokens={"r": 1})
+for case, manager in (("unbound", None), ("no_in_flight", SimpleNamespace(get_block_ids=lambda r: ([5, 6],)))):
+    tier._kv_cache_manager = manager
+    try:
+        tier._plan_running_saves(step)
+        out[case] = "no error"
+    except Exception as e:
+        out[case] = type(e).__name__ + ": " + str(e)
+print(json.dumps(out))
+"""
+
+
 @pytest.fixture(scope="module")
 def vllm_env() -> tuple[str, dict[str, str]]:
     """The vLLM venv's Python, and an environment in which it imports ``engine_adapter``."""
@@ -247,3 +329,20 @@ def test_the_scheduler_fails_at_construction_once_vllm_lacks_an_internal(
         ("hook", "Scheduler._free_request_blocks (overridden by hintflow, but no longer called by vLLM)"),
     ):
         assert f"vLLM {TESTED_VLLM_VERSION}" in out[case] and name in out[case], out[case]
+
+
+@pytest.mark.slow
+def test_the_host_tier_and_the_scheduler_module_fail_naming_what_vllm_lacks(
+    vllm_env: tuple[str, dict[str, str]],
+) -> None:
+    python, env = vllm_env
+    r = subprocess.run([python, "-c", _HOST_TIER_MUTATE], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "vllm.v1.core.sched.async_scheduler.AsyncScheduler (the class)" in out["moved"], out["moved"]
+    assert out["moved"].startswith("hintflow's vLLM scheduler cannot run")
+    assert out["intact"].startswith("passed: ")
+    assert out["deleted"].startswith(HOST_TIER_COMPONENT), out["deleted"]
+    assert "KVConnectorBase_V1._get_connector_metadata" in out["deleted"]
+    assert out["unbound"].startswith("RuntimeError") and "bind_kv_cache_manager" in out["unbound"]
+    assert out["no_in_flight"].startswith("AttributeError") and "num_in_flight_tokens" in out["no_in_flight"]

@@ -83,6 +83,48 @@ def test_random_operations_keep_every_slot_accounted_for() -> None:
         assert idx.num_used_slots <= 16
 
 
+def test_one_steps_saves_never_take_the_same_slot_twice() -> None:
+    """A save planned this step keeps its slot locked until the step ships (``index_copy_`` with a repeated
+    index is undefined on CUDA): before, six blocks saved into four slots in one step wrote slots 0 and 1
+    twice and the book no longer held the chain's head."""
+    idx = HostIndex(4)
+    slots = [idx.reserve(f"h{i}", pending=True) for i in range(6)]
+    assert sorted(s for s in slots[:4] if s is not None) == [0, 1, 2, 3]
+    assert slots[4:] == [None, None] and idx.stats.num_save_skipped_full == 2
+    assert "h0" in idx and "h4" not in idx
+    idx.ship()  # the step's copies went to the worker: its slots may be evicted again
+    assert idx.reserve("h4", pending=True) is not None and idx.num_used_slots == 4
+    idx.ship()
+    idx.check()
+
+
+def test_a_pending_save_keeps_its_slot_through_a_demotion_in_the_same_step() -> None:
+    idx = HostIndex(3)
+    pending = [idx.reserve("a0", pending=True), idx.reserve("a1", pending=True)]
+    assert idx.reserve("x", pending=True) is not None
+    idx.demote(["a0", "a1"])  # a Release in the same step: first in line, but their copies are still due
+    assert idx.reserve("b0", pending=True) is None
+    assert [idx.slot_of("a0"), idx.slot_of("a1")] == pending
+    idx.ship()
+    assert idx.reserve("b0") == pending[1]  # from the next step on, demoted blocks go first (tail first)
+    idx.check()
+
+
+def test_a_chain_loses_its_tail_before_its_head() -> None:
+    """A host run is matched from its first block: a chain that lost its head matches nothing."""
+    idx = HostIndex(4)
+    for h in ("other", "c0", "c1", "c2"):  # saved head to tail, as a prompt fills: c0 least recently
+        idx.reserve(h)
+    idx.touch_chain(["c0", "c1", "c2"])  # used again: c0 most recently, then c1, c2
+    idx.reserve("n1")
+    assert "other" not in idx
+    idx.reserve("n2")
+    assert "c2" not in idx and idx.match(["c0", "c1", "c2"], 0, 3) == [idx.slot_of("c0"), idx.slot_of("c1")]
+    idx.reserve("n3")
+    assert "c1" not in idx and "c0" in idx
+    idx.check()
+
+
 def test_host_tier_config_names_the_connector() -> None:
     cfg = host_tier_config(4096)
     assert cfg["kv_connector_module_path"] == CONNECTOR_MODULE

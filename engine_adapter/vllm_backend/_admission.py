@@ -100,7 +100,7 @@ class QueueRules:
         for x in sorted(younger, key=self._start, reverse=True):
             if need <= free:
                 break
-            free += self.book.drop_pin(x)
+            free += self.book.drop_pin(x, yielded=True)
 
     # ---- program admission ----------------------------------------------------------------------------
     def _is_new_program_turn(self, request: Any) -> bool:

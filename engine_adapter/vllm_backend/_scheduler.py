@@ -25,10 +25,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
-from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
-
+from ._compat import check_vllm_names
 from ._hint_scheduler import AGING_S, PIN_BUDGET, PRIORITY_SCALE, HintSchedulerMixin
+
+# vLLM's scheduler classes are imported only once the check has passed: a vLLM that moved or renamed one
+# fails here with the check's error naming what it lacks, not with a bare ImportError (the construction-
+# time check in HintSchedulerMixin also warns about another version)
+check_vllm_names()
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]  # noqa: E402
 
 __all__ = [
     "AGING_S",

@@ -142,13 +142,28 @@ class SessionBook:
         s.pin_deadline_s = None
         self._unpin(s)
 
-    def on_request_finished(self, s: VSession, request_id: str, blocks: Sequence[Block]) -> None:
-        """Take over the finished request's blocks: hold the pinned prefix, free the rest as vLLM would."""
+    def on_request_finished(
+        self, s: VSession, request_id: str, blocks: Sequence[Block], *, owned: bool = True
+    ) -> None:
+        """Take over the finished request's blocks: hold the pinned prefix, free the rest as vLLM would.
+
+        ``owned=False``: vLLM keeps the request's own references and frees them later (its deferred block
+        free, while a step still in flight may write them); the book then only takes the snapshot and
+        holds the pinned prefix with references of its own, freeing nothing.
+
+        No blocks at all: the request never had any (aborted before admission, or after a preemption had
+        returned them). Its turn computed nothing, so the session's last context and its pin stay as they
+        were: a pin kept while this request waited runs on to its deadline, and one that arrived meanwhile
+        applies to that context now.
+        """
         s.live.discard(request_id)
         s.admitted.discard(request_id)
         s.last_active_s = self.clock()
         if s.next_use_deadline_s is not None and s.next_use_deadline_s <= s.last_active_s:
             s.next_use_deadline_s = None  # the predicted use happened
+        if not blocks:
+            self._keep_last_context(s)
+            return
         prefix: list[Block] = []
         for b in blocks:
             if b.is_null or b.block_hash is None:
@@ -158,13 +173,28 @@ class SessionBook:
         self._unpin(s)  # an old hold (two turns in flight at once): the new turn's blocks replace it
         keep = 0
         if not s.released and s.pin_deadline_s is not None and s.pin_deadline_s > self.clock():
-            keep = self._grant(s, prefix, already_referenced=True).pinned_blocks
-        rest = list(blocks[keep:])
-        self.pool.free_blocks(reversed(rest))  # tail first, exactly vLLM's own order
+            keep = self._grant(s, prefix, already_referenced=owned).pinned_blocks
+        if owned:
+            rest = list(blocks[keep:])
+            self.pool.free_blocks(reversed(rest))  # tail first, exactly vLLM's own order
         if s.next_use_deadline_s is not None and not s.released:
             self.place_by_next_use([s])
         if s.released and not s.live:
             self._forget(s)
+
+    def _keep_last_context(self, s: VSession) -> None:
+        """A request of ``s`` ended without blocks: its pin and last context stay (``on_request_finished``)."""
+        if s.released:
+            if not s.live:
+                self._forget(s)
+            return
+        if s.pin_deadline_s is None:
+            return
+        # expire() popped the lease's entry while this request waited (a waiting session's lease is kept):
+        # queue it again, or the pin would outlive its deadline
+        heapq.heappush(self._expiry, (s.pin_deadline_s, s.pin_seq, s.session_id))
+        if not s.live and s.pin_deadline_s > self.clock():
+            self._grant(s, [b for b, _ in s.snapshot], already_referenced=False, hashes=s.snapshot)
 
     # ---- pins ----------------------------------------------------------------------------------
     def set_pin(self, s: VSession, ttl_s: float) -> PinResult:
@@ -217,12 +247,25 @@ class SessionBook:
         held, s.held = s.held, []
         self.pool.free_blocks(reversed(held))
 
-    def drop_pin(self, s: VSession) -> int:
-        """Give up the session's pin now (its blocks become free, evictable); the number it held."""
+    def drop_pin(self, s: VSession, *, yielded: bool = False) -> int:
+        """Give up the session's pin now (its blocks become free, evictable); the number it held.
+
+        ``yielded``: dropped so that an older program's waiting turn fits (counted in ``yielded_pins``);
+        other callers (an explicit hint taking over from an inferred pin) are not yields."""
         n = sum(1 for b in s.held if self._pin_count.get(b.block_id) == 1)
         s.pin_deadline_s = None
         self._unpin(s)
-        self.stats.yielded_pins += 1
+        if yielded:
+            self.stats.yielded_pins += 1
+        return n
+
+    def drop_all_pins(self) -> int:
+        """Every session lets go of its pin, deferred ones included (vLLM resets its prefix cache); the
+        number of blocks the book held."""
+        n = self.num_pinned_blocks
+        for s in self.sessions.values():
+            s.pin_deadline_s = None
+            self._unpin(s)
         return n
 
     def force_unpin_latest(self) -> bool:
