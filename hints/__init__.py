@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from hints._models import (
         MAX_HORIZON_S,
         MAX_PIN_TTL_S,
+        MAX_PROGRAM_AGE_S,
         CacheState,
         EvictionOrder,
         Expect,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_HORIZON_S",
     "MAX_PIN_TTL_S",
+    "MAX_PROGRAM_AGE_S",
     "CacheState",
     "DecodedBatch",
     "EngineClient",

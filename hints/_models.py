@@ -28,6 +28,10 @@ MAX_PIN_TTL_S: float = 86400.0
 MAX_HORIZON_S: float = 7 * 86400.0
 """Furthest ahead a predicted next use or prefetch may lie (one week): past that a prediction is noise."""
 
+MAX_PROGRAM_AGE_S: float = 10 * 365 * 86400.0
+"""Oldest program a ``Priority`` may describe (ten years): past that an age is a bug, and it would overflow
+an engine's integer priority."""
+
 MAX_OUTPUT_TOKENS: int = 10_000_000
 """Largest expected output length an ``Expect`` hint may carry."""
 
@@ -103,7 +107,7 @@ class Priority(_Frozen):
     kind: Literal["priority"] = "priority"
     session_id: SessionId
     program_id: OptionalProgramId = ""
-    program_age_s: Seconds
+    program_age_s: Annotated[float, Field(ge=0.0, le=MAX_PROGRAM_AGE_S, allow_inf_nan=False)]
     priority_class: Int32 = 0
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from hints import (
     MAX_HORIZON_S,
     MAX_PIN_TTL_S,
+    MAX_PROGRAM_AGE_S,
     EvictionOrder,
     HintModel,
     NextUse,
@@ -163,7 +164,8 @@ class _BasePolicy:
         start = self._program_start_s.get(ev.program_id, ev.now_s)
         hint = self._safe(
             lambda: Priority(
-                session_id=ev.session_id, program_id=ev.program_id, program_age_s=ev.now_s - start
+                session_id=ev.session_id, program_id=ev.program_id,
+                program_age_s=_cap(ev.now_s - start, MAX_PROGRAM_AGE_S),
             ),
             f"Priority({ev.session_id})",
         )

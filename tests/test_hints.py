@@ -19,6 +19,7 @@ import hints
 from hints import (
     MAX_HORIZON_S,
     MAX_PIN_TTL_S,
+    MAX_PROGRAM_AGE_S,
     CacheState,
     EvictionOrder,
     Expect,
@@ -63,7 +64,7 @@ def finite(lo: float, hi: float | None = None) -> st.SearchStrategy[float]:
 
 
 priorities = st.builds(
-    Priority, session_id=ids, program_id=opt_ids, program_age_s=finite(0.0), priority_class=int32s
+    Priority, session_id=ids, program_id=opt_ids, program_age_s=finite(0.0, MAX_PROGRAM_AGE_S), priority_class=int32s
 )
 pins = st.builds(Pin, session_id=ids, ttl_s=finite(0.0, MAX_PIN_TTL_S), reason=texts)
 next_uses = st.builds(NextUse, session_id=ids, next_use_s=finite(0.0, MAX_HORIZON_S))
@@ -220,6 +221,7 @@ def test_pin_rejects_bad_values_naming_field(kwargs: dict[str, Any], field: str,
         (lambda: NextUse(session_id="s", next_use_s=MAX_HORIZON_S * 2), "next_use_s"),
         (lambda: Prefetch(session_id="s", at_s=math.nan), "at_s"),
         (lambda: Priority(session_id="s", program_age_s=-0.5), "program_age_s"),
+        (lambda: Priority(session_id="s", program_age_s=1e306), "program_age_s"),  # overflowed vLLM's int
         (lambda: Expect(session_id="s", output_tokens=-1), "output_tokens"),
         (lambda: Expect(session_id="s", output_tokens=10_000_001), "output_tokens"),
         (lambda: Release(program_id=""), "program_id"),

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from hints import EngineClient, EvictionOrder, HintAck, HintModel, Pin, Prefetch, Priority
+from hints import MAX_PROGRAM_AGE_S, EngineClient, EvictionOrder, HintAck, HintModel, Pin, Prefetch, Priority
 
 __all__ = ["HintPublisher"]
 
@@ -90,7 +90,7 @@ def _aged(hint: HintModel, w: float) -> HintModel | None:
         ttl = hint.ttl_s - w
         return hint.model_copy(update={"ttl_s": ttl}) if ttl > 0 else None
     if isinstance(hint, Priority):
-        return hint.model_copy(update={"program_age_s": hint.program_age_s + w})
+        return hint.model_copy(update={"program_age_s": min(hint.program_age_s + w, MAX_PROGRAM_AGE_S)})
     if isinstance(hint, Prefetch):
         return hint.model_copy(update={"at_s": max(0.0, hint.at_s - w)})
     if isinstance(hint, EvictionOrder):
