@@ -212,7 +212,9 @@ def _huge_age(model: str) -> dict[str, Any]:
     sched.aging_s = float("inf")  # HINTFLOW_PRIORITY_AGING_S=inf: strict program FCFS
     engine = _Engine(sched, 1)
     engine.run(request(_prompt(4, 200), "d"))
-    code = apply_hints(sched, [Priority(session_id="d", program_age_s=1e306, priority_class=2)])[0].code
+    # The protocol now refuses such an age (MAX_PROGRAM_AGE_S); the node must not trust that alone.
+    huge = Priority.model_construct(session_id="d", program_age_s=1e306, priority_class=2)
+    code = apply_hints(sched, [huge])[0].code
     out: dict[str, Any] = {"hint": code}
     r = request(_prompt(4, 300), "d")
     try:
