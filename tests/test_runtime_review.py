@@ -166,7 +166,8 @@ def test_a_program_without_events_is_reaped(policy: str) -> None:
     rt.sweep(t + 2.0)
     assert rt.programs["p"].status == "reaped"
     assert "p/a" not in rt.sessions
-    assert [h for h in rec.hints if isinstance(h, Release)] == [Release(program_id="p")]  # exactly one
+    # Nothing released: this worker sees only its own activities, the program may run on another one.
+    assert not [h for h in rec.hints if isinstance(h, Release)]
     assert _metric(rt, "hintflow_programs_reaped_total") == 1.0
     [ended] = [e for e in rt.events if isinstance(e, ProgramEnded)]
     assert ended.program_id == "p" and ended.num_turns == 0  # not a sample of program length
@@ -181,6 +182,51 @@ def test_a_program_without_events_is_reaped(policy: str) -> None:
     assert rt.programs["p"].num_turns == 1
 
 
+def test_a_declared_pause_is_reaped_only_after_reap_paused_after_s() -> None:
+    """A person may take hours: an open ``pause()`` (no activity runs meanwhile) is not a sign of a gone program."""
+    rt, _ = _runtime("hintflow", reap_after_s=1.0, reap_paused_after_s=5.0)
+    rt.turn_started("p", "p", 100)
+    rt.turn_ended("p", "p", 110)
+    rt.tool_started("p", "p", "human", activity=False)
+    t = time.monotonic()
+    rt.sweep(t + 3.0)
+    assert rt.programs["p"].status == "running"
+    rt.sweep(t + 6.0)
+    assert rt.programs["p"].status == "reaped"
+
+
+def test_parallel_tools_of_one_session_are_one_pause() -> None:
+    """Tool B starts while A runs: the pause lasts until both returned, however long B runs after A."""
+    rt, _ = _runtime("hintflow", tool_grace_s=0.5)
+    rt.turn_started("p", "p", 100)
+    rt.turn_ended("p", "p", 110)
+    rt.tool_started("p", "p", "A")
+    rt.tool_started("p", "p", "B")
+    rt.tool_ended("p", "p", "A", 0.1)
+    rt.sweep(time.monotonic() + 10.0)  # long past A's grace: B still runs, so the pause is open
+    assert rt.sessions["p"].tool == "A" and not [e for e in rt.events if isinstance(e, ToolEnded)]
+    rt.tool_ended("p", "p", "B", 30.0)
+    rt.turn_started("p", "p", 120)
+    ended = [e for e in rt.events if isinstance(e, ToolEnded)]
+    assert [e.tool for e in ended] == ["A"] and rt.programs["p"].num_tools == 2  # one pause, two tools
+
+
+def test_a_failed_attempt_then_another_call_is_a_new_turn() -> None:
+    """Only a retry of the call whose attempt failed continues its turn; a different call starts a new one."""
+    rt, _ = _runtime("hintflow")
+    rt.turn_started("p", "p", 100, call="run/1")
+    rt.turn_failed("p", "p", call="run/1")
+    rt.turn_started("p", "p", 100, call="run/1")  # the retry: the same turn
+    rt.turn_ended("p", "p", 110)
+    rt.turn_started("p", "p", 120, call="run/2")
+    rt.turn_failed("p", "p", call="run/2")
+    rt.turn_started("p", "p", 130, call="run/3")  # the workflow gave up on run/2 and made another call
+    rt.turn_ended("p", "p", 140)
+    kinds = [type(e).__name__ for e in rt.events if type(e).__name__ in ("TurnStarted", "TurnEnded")]
+    assert kinds == ["TurnStarted", "TurnEnded", "TurnStarted", "TurnStarted", "TurnEnded"]
+    assert rt.programs["p"].num_turns == 2
+
+
 def test_reap_horizon_and_grace_must_be_positive() -> None:
     with pytest.raises(ValueError, match="reap_after_s"):
         HintRuntime(["127.0.0.1:1"], reap_after_s=0)
@@ -188,7 +234,7 @@ def test_reap_horizon_and_grace_must_be_positive() -> None:
         HintRuntime(["127.0.0.1:1"], tool_grace_s=float("nan"))
 
 
-async def test_a_terminated_program_is_released_and_forgotten(temporal_env: Any, start_engine: Any) -> None:
+async def test_a_terminated_program_is_forgotten(temporal_env: Any, start_engine: Any) -> None:
     node = await start_engine("node-terminate")
     rt = HintRuntime(
         [node.address], "hintflow", pause_model=PauseModel(default_mean_s=2.0, min_samples=20),
@@ -210,7 +256,7 @@ async def test_a_terminated_program_is_released_and_forgotten(temporal_env: Any,
         assert rt.programs[h.id].status == "reaped"
         assert not [s for s in rt.sessions.values() if s.program_id == h.id]
         assert not [p for p in rt.policy._parked.values() if p.program_id == h.id]  # type: ignore[attr-defined]
-        assert _metric(rt, "hintflow_hints_emitted_total", kind="release") == 1.0
+        assert _metric(rt, "hintflow_hints_emitted_total", kind="release") == 0.0  # (may run elsewhere)
         assert _metric(rt, "hintflow_programs_reaped_total") == 1.0
         pins = _metric(rt, "hintflow_hints_emitted_total", kind="pin")
         orders = _metric(rt, "hintflow_hints_emitted_total", kind="eviction_order")
@@ -219,7 +265,8 @@ async def test_a_terminated_program_is_released_and_forgotten(temporal_env: Any,
         assert _metric(rt, "hintflow_hints_emitted_total", kind="eviction_order") == orders
     async with EngineClient(node.address) as c:
         state = await c.get_cache_state(include_sessions=True)
-    assert not [s for s in state.sessions if s.program_id == h.id], "Release freed its contexts on the node"
+    mine = [s for s in state.sessions if s.program_id == h.id]
+    assert mine and not any(s.pinned for s in mine), "its contexts stay, evictable, once the leases lapsed"
 
 
 # ---- C: bad input fails at once, not retried ------------------------------------------------------------

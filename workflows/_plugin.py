@@ -138,12 +138,13 @@ class _ActivityInbound(ActivityInboundInterceptor):
             arg = input.args[0] if input.args else None
             # Someone else's model call (openai_agents): estimate tokens from the size of its input.
             ctx = len(arg.prompt_token_ids) if isinstance(arg, LLMInput) else len(repr(arg)) // 4
-            rt.turn_started(program_id, session_id, ctx, info.workflow_type or "")
+            call = f"{info.workflow_run_id}/{info.activity_id}"  # the same for each retry of this call
+            rt.turn_started(program_id, session_id, ctx, info.workflow_type or "", call)
             try:
                 result = await self.next.execute_activity(input)
             except BaseException:
                 # A failed attempt is not a turn (Temporal may retry it): no TurnEnded, no turn-end pin.
-                rt.turn_failed(program_id, session_id)
+                rt.turn_failed(program_id, session_id, call)
                 raise
             out_ctx: int | None = None
             if isinstance(result, LLMResult):

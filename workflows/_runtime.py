@@ -26,9 +26,12 @@ pass its validation afresh): a bad one is dropped, counted in ``policy.num_inval
 Programs whose end the workflow never reports (terminated, timed out, or run on a worker that died) are
 not kept forever: a tool whose activity returned ends its pause after ``tool_grace_s`` without a next
 turn (so pins are no longer renewed), and a program with no event and no activity running here for
-``reap_after_s`` is reaped: ``Release`` to every node, its state dropped here and in the policy (it gets
-``ProgramEnded`` with ``num_turns=0``, so the turn-count estimate does not learn from it), counted in
-``hintflow_programs_reaped_total``.  A reaped program that comes back is tracked afresh.
+``reap_after_s`` (``reap_paused_after_s``, a day, while a declared ``pause()`` is open: a person may take
+hours) is reaped: its state is dropped here and in the policy (it gets ``ProgramEnded`` with
+``num_turns=0``, so the turn-count estimate does not learn from it), so nothing more is sent for it;
+counted in ``hintflow_programs_reaped_total``.  No ``Release`` is sent: this worker sees only its own
+activities, and the program may run on another; the leases it held lapse.  A reaped program that comes
+back is tracked afresh.  Parallel tool activities of one session are one pause, until every one returned.
 """
 
 from __future__ import annotations
@@ -128,6 +131,8 @@ class _SessionInfo:
     tool_done: bool = False  # its activity returned; the context waits for the next turn
     tool_done_s: float = 0.0
     in_turn: bool = False  # TurnStarted was fed and no TurnEnded yet (a failed attempt is retried)
+    failed_attempt: str = ""  # the model call whose attempt failed last: its retry is the same turn
+    tools_running: int = 0  # tool activities of this session running now (parallel tools: one pause)
 
 
 class HintRuntime:
@@ -145,6 +150,7 @@ class HintRuntime:
         registry: CollectorRegistry | None = None,
         tool_grace_s: float = 5.0,
         reap_after_s: float = 600.0,
+        reap_paused_after_s: float = 86400.0,
     ) -> None:
         """``tool_grace_s``: how long after a tool's activity returned the session still counts as in
         that pause when no next turn comes (the next turn may run on another worker, or the program was
@@ -152,7 +158,8 @@ class HintRuntime:
         for this long is taken for gone (see the module doc)."""
         if not engines:
             raise ValueError("HintRuntime needs at least one engine address (host:port)")
-        for name, value in (("tool_grace_s", tool_grace_s), ("reap_after_s", reap_after_s)):
+        for name, value in (("tool_grace_s", tool_grace_s), ("reap_after_s", reap_after_s),
+                            ("reap_paused_after_s", reap_paused_after_s)):
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"HintRuntime: {name} must be a finite number > 0, got {value!r}")
         specs = [parse_engine(e) for e in engines]
@@ -174,6 +181,7 @@ class HintRuntime:
         self.watch_interval_s = watch_interval_s
         self.tool_grace_s = float(tool_grace_s)
         self.reap_after_s = float(reap_after_s)
+        self.reap_paused_after_s = max(float(reap_paused_after_s), self.reap_after_s)
         self._last_event_s: dict[str, float] = {}  # live program -> monotonic time of its last event
         self._running: dict[str, int] = {}  # live program -> its activities running on this worker
         self._tools_done: dict[str, float] = {}  # session -> when its tool's activity returned
@@ -319,27 +327,28 @@ class HintRuntime:
         if now < self._next_reap_check_s:
             return
         self._next_reap_check_s = now + min(1.0, self.reap_after_s / 10)
+        paused = {s.program_id for s in self.sessions.values() if s.tool is not None and not s.tool_done}
         for pid, last in list(self._last_event_s.items()):
-            if now - last >= self.reap_after_s and not self._running.get(pid, 0):
+            horizon = self.reap_paused_after_s if pid in paused else self.reap_after_s  # a person may take hours
+            if now - last >= horizon and not self._running.get(pid, 0):
                 self.reap(pid, now)
 
     def reap(self, program_id: str, now: float | None = None) -> None:
-        """Take ``program_id`` for gone: the policy gets ``ProgramEnded`` (``num_turns=0``: not a sample of
-        how long programs run), every node gets ``Release``, and its sessions are dropped here."""
+        """Take ``program_id`` for gone here: the policy gets ``ProgramEnded`` (``num_turns=0``: not a
+        sample of how long programs run) and its sessions are dropped, so nothing more is sent for it.
+        Nothing is released on the nodes: this worker sees only its own activities, and the program may
+        be running on another worker; what this worker pinned lapses with its leases."""
         now = time.monotonic() if now is None else now
         p = self._program(program_id)
         logger.info(
-            "hintflow runtime: no event from program %s for %.0f s; releasing its contexts",
-            program_id, self.reap_after_s,
+            "hintflow runtime: no event from program %s for %.0f s; forgetting it (its leases lapse)",
+            program_id, now - self._last_event_s.get(program_id, now),
         )  # fmt: skip
         self._m_reaped.inc()
         p.status = "reaped"
         # A pause still open is not reported: when it ended is unknown, and the pause model must not learn
         # a terminated program's wait as a tool's run time.
-        released = self._feed(ProgramEnded(program_id, now, 0))
-        if not any(isinstance(h, Release) and h.program_id == program_id for h in released):
-            with contextlib.suppress(ValueError):  # an id no Release can carry: the leases lapse anyway
-                self.publish([Release(program_id=program_id)])
+        self._feed(ProgramEnded(program_id, now, 0), publish=False)
         self._forget(program_id)
 
     # ---- events -------------------------------------------------------------------------------------
@@ -384,17 +393,19 @@ class HintRuntime:
             note(program_id, time.monotonic() - max(0.0, time.time() - submitted_unix_s))
         self._live_program(program_id, time.monotonic())
 
-    def turn_started(self, program_id: str, session_id: str, context_tokens: int, workflow: str = "") -> None:
-        """A model-call attempt starts.  A retry of an attempt that failed (no other event of the session
-        in between) is the same turn: the policy is not told again."""
+    def turn_started(
+        self, program_id: str, session_id: str, context_tokens: int, workflow: str = "", call: str = ""
+    ) -> None:
+        """A model-call attempt starts.  ``call`` names the model call (e.g. its activity id): a retry of
+        the call whose attempt failed last is the same turn, and the policy is not told again."""
         now = time.monotonic()
         p = self._live_program(program_id, now)
         self._activity(program_id, +1)
         s = self._session(session_id, program_id)
         s.context_tokens = context_tokens
-        if s.in_turn:
+        if s.in_turn and call == s.failed_attempt:
             return
-        s.in_turn = True
+        s.in_turn, s.failed_attempt = True, ""
         outcome = "none"
         if s.pin_deadline_s is not None:
             outcome = "expired" if now > s.pin_deadline_s else "held"
@@ -421,12 +432,15 @@ class HintRuntime:
             s.context_tokens = context_tokens
         self._feed(TurnEnded(program_id, session_id, now, s.context_tokens))
 
-    def turn_failed(self, program_id: str, session_id: str) -> None:
+    def turn_failed(self, program_id: str, session_id: str, call: str = "") -> None:
         """A model-call attempt failed (Temporal may retry it): no turn counted, no TurnEnded; the session
-        stays in its turn for the policy until the retry, its next tool or the program's end."""
+        stays in its turn for the policy until that call's retry, its next tool or the program's end."""
         self._activity(program_id, -1)
         if not self._ended(program_id, session_id):
             self._last_event_s[program_id] = time.monotonic()
+            s = self.sessions.get(session_id)
+            if s is not None:
+                s.failed_attempt = call
 
     def tool_started(
         self, program_id: str, session_id: str, tool: str, workflow: str = "", *, activity: bool = True
@@ -439,6 +453,11 @@ class HintRuntime:
             self._activity(program_id, +1)
         s = self._session(session_id, program_id)
         s.in_turn = False
+        if activity:
+            s.tools_running += 1
+            if s.tools_running > 1 and s.tool is not None and not s.tool_done:
+                p.num_tools += 1  # a tool beside one still running: the session's pause goes on until
+                return  # every one of them returned (reported under the first one's name)
         self._close_pause(s, session_id, now)
         p.num_tools += 1
         s.tool, s.tool_started_s, s.tool_done = tool, now, False
@@ -459,6 +478,10 @@ class HintRuntime:
         now = time.monotonic()
         self._last_event_s[program_id] = now
         s = self._session(session_id, program_id)
+        if activity and s.tools_running > 0:
+            s.tools_running -= 1
+            if s.tools_running > 0:
+                return  # other tools of the session still run: the pause goes on
         if s.tool is None:  # no start seen (e.g. a runtime restart): report what the activity measured
             self._feed(ToolEnded(program_id, session_id, tool, now, duration_s))
             return
@@ -503,15 +526,16 @@ class HintRuntime:
         for sid in list(self.pin_outcomes)[: max(0, len(self.pin_outcomes) - MAX_PROGRAMS)]:
             del self.pin_outcomes[sid]
 
-    def _feed(self, event: Any) -> list[HintModel]:
-        """Tell the policy; publish what it returns (validated); return what was published."""
+    def _feed(self, event: Any, *, publish: bool = True) -> list[HintModel]:
+        """Tell the policy; publish what it returns (validated; ``publish=False``: nothing); return what
+        was published."""
         kind = type(event).__name__
         if kind != "Tick":
             self.events.append(event)
             self._m_events.labels(kind).inc()
         try:
             hints = self.policy.on_event(event)
-            return self.publish(hints) if hints else []
+            return self.publish(hints) if hints and publish else []
         except Exception:  # a policy bug must not fail the user's activity
             logger.exception("policy %s failed on %s", getattr(self.policy, "name", "?"), kind)
             return []
