@@ -46,7 +46,7 @@ class ContextData:
 
 
 def export_context(core: EngineCore, session_id: str, release_after: bool = False) -> ContextData:
-    with core.executing, core.lock:  # (its flush runs copies: never beside a step's forward pass)
+    with core.exclusive():  # (its flush runs copies: never beside a step's forward pass)
         s = core._session(session_id)
         if s.state is not SessionState.PARKED:
             raise FailedPrecondition(f"session {session_id!r} is {s.state.value}; export it between turns")
@@ -107,7 +107,7 @@ def import_context(core: EngineCore, blob: ContextData) -> tuple[int, int]:
         )
     if any(not 0 <= t < ex.vocab_size for t in blob.token_ids):
         raise InvalidArgument("token_ids outside the vocabulary")
-    with core.executing, core.lock:  # (a step's forward pass may not be writing blocks we take)
+    with core.exclusive():  # (a step's forward pass may not be writing blocks we take)
         existing = core.kv.sessions.get(blob.session_id)
         if existing is not None and blob.program_id and existing.program_id != blob.program_id:
             raise InvalidArgument(

@@ -13,11 +13,12 @@ the node's state already reflects the hint.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from hints import CacheState, HintDecodeError, HintModel, HintResult, SessionResidency
@@ -86,6 +87,7 @@ class EngineCore:
         # blocks, which an import could otherwise take and write while the pass still writes them.
         # Order: ``executing`` before ``lock``.
         self.executing = threading.Lock()
+        self._num_exclusive_waiting = 0  # threads waiting in exclusive(): the step loop lets them in first
         self.version = 0  # bumps on every state change: cache-state watchers send on change
         self.pace_modeled = pace_modeled  # serve a modeled executor in real time (sleep its step time)
         self._wake = threading.Event()
@@ -249,8 +251,29 @@ class EngineCore:
             self._thread.join(timeout=10)
             self._thread = None
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold ``executing`` then ``lock``: no step runs meanwhile (context export and import).  The step
+        loop, which takes ``executing`` again right after each step, waits while anyone is waiting here:
+        a plain lock is not fair, and a busy node would otherwise starve an import for as long as it is busy."""
+        with self.lock:
+            self._num_exclusive_waiting += 1
+        try:
+            self.executing.acquire()
+        finally:
+            with self.lock:
+                self._num_exclusive_waiting -= 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            self.executing.release()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self._num_exclusive_waiting:  # (read without the lock: a stale value costs one step's wait)
+                time.sleep(0.0005)
+                continue
             try:
                 did = self.step()
             except Exception as e:  # keep serving: fail the step's requests, not the node

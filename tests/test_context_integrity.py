@@ -539,3 +539,34 @@ def test_import_waits_for_the_forward_pass_writing_an_aborted_turns_blocks() -> 
     assert not t.is_alive() and not errors
     ex.before_execute = None
     deep_check(core, ex)
+
+
+def test_a_busy_node_does_not_starve_a_context_export() -> None:
+    """The step loop takes ``executing`` again right after each step; a plain lock is not fair, so an export
+    waiting for it could wait as long as the node stays busy (a 20 ms GIL-holding pass starved one > 10 s)."""
+
+    class BusyExecutor(ModeledExecutor):
+        def execute(self, batch: ScheduledBatch) -> StepOutput:
+            out = super().execute(batch)
+            t0 = time.perf_counter()
+            while batch.seqs and time.perf_counter() - t0 < 0.02:  # holds the GIL, as a Python-heavy pass does
+                pass
+            return out
+
+    ex = BusyExecutor(load_cost_model("cpu-tiny"), 512, 0, vocab_size=512, max_model_len=100_000)
+    core = EngineCore(ex)
+    core.start()
+    try:
+        first = core.submit([1, 2, 3, 4] * 8, 4, session_id="p")
+        deadline = time.monotonic() + 10.0
+        while first.state is not RequestState.FINISHED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for i in range(4):  # long decodes: the node stays busy throughout
+            core.submit([5] * 16, 5000, session_id=f"busy{i}")
+        time.sleep(0.2)
+        for _ in range(3):
+            done = threading.Event()
+            threading.Thread(target=lambda d=done: (core.export_context("p"), d.set()), daemon=True).start()
+            assert done.wait(5.0), "the export waited behind the busy step loop"
+    finally:
+        core.stop()
