@@ -227,6 +227,13 @@ class HintflowPlugin(SimplePlugin):
             run_context=self._run_context if runtime is not None else None,
         )
 
+    def configure_worker(self, config: Any) -> Any:
+        """Also hand the runtime this worker's client: a reaped program is released only once Temporal
+        says its workflow closed (``HintRuntime.reap``)."""
+        if self.runtime is not None and self.runtime.temporal_client is None:
+            self.runtime.temporal_client = config.get("client")
+        return super().configure_worker(config)
+
     @contextlib.asynccontextmanager
     async def _run_context(self) -> AsyncIterator[None]:
         assert self.runtime is not None

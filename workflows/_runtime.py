@@ -29,8 +29,9 @@ turn (so pins are no longer renewed), and a program with no event and no activit
 ``reap_after_s`` (``reap_paused_after_s``, a day, while a declared ``pause()`` is open: a person may take
 hours) is reaped: its state is dropped here and in the policy (it gets ``ProgramEnded`` with
 ``num_turns=0``, so the turn-count estimate does not learn from it), so nothing more is sent for it;
-counted in ``hintflow_programs_reaped_total``.  No ``Release`` is sent: this worker sees only its own
-activities, and the program may run on another; the leases it held lapse.  A reaped program that comes
+counted in ``hintflow_programs_reaped_total``.  ``Release`` is sent only if Temporal then says the workflow
+is closed (terminated, timed out; the plugin gives the runtime its worker's client): this worker sees only
+its own activities, and the program may run on another.  Otherwise its leases lapse.  A reaped program that comes
 back is tracked afresh.  Parallel tool activities of one session are one pause, until every one returned.
 """
 
@@ -222,6 +223,8 @@ class HintRuntime:
         self.publishers: dict[str, HintPublisher] = {}
         self.clients: dict[str, EngineClient | VllmClient] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # Set by HintflowPlugin from its worker's client: lets a reap ask Temporal whether the program closed.
+        self.temporal_client: Any = None
         self._started = False
 
     # ---- lifetime -----------------------------------------------------------------------------------
@@ -350,6 +353,31 @@ class HintRuntime:
         # a terminated program's wait as a tool's run time.
         self._feed(ProgramEnded(program_id, now, 0), publish=False)
         self._forget(program_id)
+        if self.temporal_client is not None and self._started:
+            with contextlib.suppress(RuntimeError):  # (no running loop: called outside the worker)
+                task = asyncio.get_running_loop().create_task(self._release_if_closed(program_id))
+                self._tasks.append(task)
+                task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+
+    async def _release_if_closed(self, program_id: str) -> None:
+        """After a reap: ``Release`` the program's contexts on every node if Temporal says its workflow is
+        closed (terminated, timed out, ...); if it still runs, or Temporal cannot say, leave them."""
+        from temporalio.client import WorkflowExecutionStatus
+
+        try:
+            desc = await self.temporal_client.get_workflow_handle(program_id).describe()
+        except Exception as exc:  # unknown id, no permission, server away: releasing blind is not safe
+            logger.info("hintflow runtime: cannot tell whether %s closed (%s); not releasing", program_id, exc)
+            return
+        p = self.programs.get(program_id)
+        if desc.status is None or desc.status == WorkflowExecutionStatus.RUNNING or p is None or p.status != "reaped":
+            return
+        with contextlib.suppress(ValueError):  # an id no Release can carry: the leases lapse anyway
+            self.publish([Release(program_id=program_id)])
 
     # ---- events -------------------------------------------------------------------------------------
     def _program(self, program_id: str) -> ProgramStats:
