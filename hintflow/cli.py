@@ -344,9 +344,15 @@ def profile(
     """Time the embedded torch executor and write a fitted cost model (for the modeled executor)."""
     import time
 
+    import torch
+
     from engine_adapter._profile import profile_torch_executor
     from engine_adapter._torch_executor import TorchModelConfig
 
+    try:  # a device this machine lacks: say so, not an assertion from deep inside torch
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise click.BadParameter(f"device {device!r} is not usable here: {exc}", param_hint="--device") from None
     t0 = time.perf_counter()
     try:
         cm = profile_torch_executor(
@@ -813,7 +819,10 @@ def make_tiny_model_cmd(out_dir: Path) -> None:
     """Build the random-weight Llama test model and a byte-level BPE tokenizer in OUT_DIR (no hub access).
 
     Needs transformers and tokenizers, which come with vLLM (run it with the .venv-vllm Python)."""
-    try:
+    try:  # (the tiny model's module imports tokenizers and transformers only when it builds)
+        import tokenizers  # noqa: F401
+        import transformers  # noqa: F401
+
         from engine_adapter.vllm_backend._tiny_model import make_tiny_model
     except ImportError as exc:
         raise click.ClickException(

@@ -37,6 +37,17 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
     return make
 
 
+def _writable_parent(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A usage error now, not a traceback after a long replay, when the report could not be written."""
+    if value is not None:
+        parent = os.path.dirname(os.path.abspath(value))
+        if not os.path.isdir(parent):
+            raise click.BadParameter(f"directory {parent!r} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise click.BadParameter(f"directory {parent!r} is not writable")
+    return value
+
+
 @click.command("replay")
 @click.option("--backend", type=click.Choice(["modeled", "vllm"]), default="modeled", show_default=True,
               help="modeled: our engine schedulers on virtual time (--executor); vllm: real vLLM servers "
@@ -83,7 +94,7 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
               help="multiply every token count [workload default: 0.25 for swe-agent, else 1; with "
                    "--executor torch 0.05 for swe-agent, 0.2 for multi-agent and human-in-loop]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="write the report as JSON here")
+              callback=_writable_parent, help="write the report as JSON here")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="write PNG plots (JCT CDF, across-turn hits, device memory) into this folder")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="tqdm bar per policy")

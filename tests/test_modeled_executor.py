@@ -351,3 +351,14 @@ def test_device_profile_script_runs_its_path_on_a_cpu(tmp_path: Path) -> None:
     prof = load_cost_model(tmp_path / "h200-llama3-8b.json")
     assert prof.fit is not None and prof.fit["plan"] == "quick" and prof.decode_base_s > 0
     assert "wrote" in (tmp_path / "profile.log").read_text()
+
+
+def test_profile_on_a_device_this_machine_lacks_is_a_usage_error() -> None:
+    import torch
+
+    from hintflow.cli import hintflow
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    res = CliRunner().invoke(hintflow, ["engine", "profile", "--out", "/tmp/never.json", "--device", "cuda"])
+    assert res.exit_code == 2 and "device 'cuda' is not usable here" in res.output, res.output

@@ -271,6 +271,8 @@ def test_report_tables_carry_every_issue_column_and_thunderagent_counts(all_resu
     (["-w", "swe-agent:rate=1"], "set rate with --rate"),
     (["-w", "multi-agent:num_programs=3"], "set num_programs with --programs"),
     (["-p", " , "], "no policy given"),
+    (["--json", "/nonexistent-dir/r.json"], "directory '/nonexistent-dir' does not exist"),  # before the run
+    (["--backend", "vllm", "--json", "/nonexistent-dir/r.json"], "directory '/nonexistent-dir' does not exist"),
 ])
 def test_cli_refuses_misplaced_options(args: list[str], message: str) -> None:
     res = CliRunner().invoke(replay_command, [*args, "--no-progress", "--programs", "2"])

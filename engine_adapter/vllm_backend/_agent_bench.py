@@ -197,7 +197,8 @@ def verdict(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="hintflow engine vllm-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny model)")
     ap.add_argument("--python", default=str(REPO / ".venv-vllm" / "bin" / "python"), help="Python with vLLM")
     ap.add_argument("--state-dir", type=Path, default=Path(tempfile.gettempdir()) / "hintflow-vllm-bench")
