@@ -52,14 +52,14 @@ def _writable_parent(ctx: click.Context, param: click.Parameter, value: str | No
 @click.option("--backend", type=click.Choice(["modeled", "vllm"]), default="modeled", show_default=True,
               help="modeled: our engine schedulers on virtual time (--executor); vllm: real vLLM servers "
                    "from .venv-vllm in real time, one per policy, same model and KV pool (policies: vanilla, "
-                   "hintflow-infer, hintflow-orchestrator; defaults: the tiny model, 40 programs, token "
+                   "hintflow-infer, hintflow-infer-pid, hintflow-orchestrator, each also as MODE+host; defaults: the tiny model, 40 programs, token "
                    "scale 0.1 for swe-agent and 0.2 for the other generators, outputs <= 32 tokens)")
 @click.option("--workload", "-w", default="swe-agent", show_default=True,
               help="generator (swe-agent, multi-agent, human-in-loop[:k=v,...]), hintflow:FILE, "
                    "mooncake:FILE, trie:FILE or a .jsonl trace")
 @click.option("--policy", "-p", "policies", default="all", show_default=True,
               help=f"comma-separated: {', '.join(REPLAY_CONFIGS)}; with --backend vllm: vanilla, "
-                   "hintflow-infer, hintflow-orchestrator")
+                   "hintflow-infer, hintflow-infer-pid, hintflow-orchestrator, each also as MODE+host")
 @click.option("--variant", "variants", multiple=True, metavar="NAME=BASE:KEY=VALUE,...",
               help="a policy with some knobs turned, reported as NAME beside the others (repeatable): "
                    "BASE is a policy above (or an earlier variant); keys: its fields (routing, "
@@ -144,6 +144,8 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
         configs = parse_policy_list(policies, defined)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--policy") from None
+    if unused := [v.name for v in defined if v not in configs]:
+        click.echo(f"note: --variant {', '.join(unused)} not in --policy, so not replayed", err=True)
     setup = ReplaySetup(workload=workload, num_programs=num_programs, rate=rate, num_nodes=num_nodes,
                         kv_capacity_tokens=kv_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
                         cost_model=cost_model, seed=seed, scale=scale, block_size=block_size, executor=executor,

@@ -68,6 +68,8 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "across_turn_hit_rate": _ratio(across, history),
         "within_turn_hit_rate": _ratio(hits - across, prompt - history),
         "prompt_hit_rate": _ratio(hits, prompt),
+        "history_tokens": history,  # the across-turn rate's denominator (0: "n/a" in the table)
+        "prompt_tokens": prompt,
         "host_hit_tokens": sum(t.host_hit_tokens for t in turns),
         "recomputed_tokens": sum(t.recomputed_tokens for t in turns),
         "computed_prompt_tokens": sum(t.computed_tokens for t in turns),
@@ -131,11 +133,23 @@ def _cell(value: float, kind: str, base: dict[str, float]) -> str:
     return f"{text} ({' / '.join(ratios)})" if ratios else text
 
 
+def _no_denominator(m: dict[str, Any], key: str) -> bool:
+    """A hit rate of no tokens at all (no session had history, or every prompt token was history)."""
+    if key == "across_turn_hit_rate":
+        return bool(m.get("history_tokens", 1) == 0)
+    if key == "within_turn_hit_rate":
+        return bool(m.get("prompt_tokens", 1) - m.get("history_tokens", 0) == 0)
+    return False
+
+
 def _table(pols: dict[str, Any], refs: list[str], columns: Sequence[tuple[str, str, str]]) -> list[str]:
     lines = ["| policy | " + " | ".join(c[0] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, m in pols.items():
         cells = []
         for _, key, kind in columns:
+            if _no_denominator(m, key):
+                cells.append("n/a")
+                continue
             base = {r: pols[r][key] for r in refs if r != name}
             cells.append(_cell(m[key], kind, base if name not in refs else {}))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

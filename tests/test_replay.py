@@ -277,3 +277,16 @@ def test_report_tables_carry_every_issue_column_and_thunderagent_counts(all_resu
 def test_cli_refuses_misplaced_options(args: list[str], message: str) -> None:
     res = CliRunner().invoke(replay_command, [*args, "--no-progress", "--programs", "2"])
     assert res.exit_code != 0 and message in res.output, res.output
+
+
+def test_a_hit_rate_of_no_tokens_reads_n_a_in_the_table(all_results) -> None:  # type: ignore[no-untyped-def]
+    from replay._report import render_table
+
+    _, (setup, results) = all_results
+    report = report_json(setup, results[:1])
+    name = results[0].config.name
+    assert "n/a" not in render_table(report)
+    report["policies"][name]["history_tokens"] = 0  # e.g. one-turn Mooncake requests: no history at all
+    work = render_table(report).split("across-turn hits", 1)[1]  # the second table
+    row = next(line for line in work.splitlines() if line.startswith(f"| {name} |"))
+    assert row.split("|")[2].strip() == "n/a"
