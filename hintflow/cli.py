@@ -685,6 +685,9 @@ def run(
     status = 0
     try:
         report = asyncio.run(run_programs(cfg, temporal, engines, num_device_blocks=num_device_blocks))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run cancelled the run and what it started
+        click.echo("hintflow run: interrupted", err=True)
+        _exit_after_temporal(130)  # (not interpreter exit: the Temporal SDK can abort there)
     except Exception as exc:
         click.echo(f"hintflow run: {_failure_text(exc)}", err=True)
         _exit_after_temporal(1)
