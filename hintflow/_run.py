@@ -265,6 +265,27 @@ async def run_programs(
         return await run_programs_on(stack.client, stack.engines, cfg)
 
 
+async def _check_reachable(engines: Sequence[str], timeout_s: float = 5.0) -> None:
+    """Every engine answers a cache-state query, or ValueError naming the ones that do not: a mistyped
+    address would otherwise have each program's model calls retried, with backoff, for half an hour."""
+    from hints import EngineClient, parse_engine
+
+    async def probe(name: str) -> str | None:
+        spec = parse_engine(name)
+        try:
+            async with EngineClient(spec.hint_address) as c:
+                await asyncio.wait_for(c.get_cache_state(), timeout_s)
+        except Exception as exc:  # refused, timed out, not a hintflow service
+            code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+            why = f"{code().name}: {details()}" if callable(code) and callable(details) else repr(exc)
+            return f"{spec.name} ({why[:200]})"
+        return None
+
+    bad = [b for b in await asyncio.gather(*(probe(e) for e in engines)) if b is not None]
+    if bad:
+        raise ValueError(f"engine node(s) not reachable: {'; '.join(bad)}")
+
+
 async def run_programs_on(client: Any, engines: Sequence[str], cfg: RunConfig) -> dict[str, Any]:
     """The programs of ``cfg`` on a given Temporal client and engine nodes, with a worker of their own."""
     from temporalio.worker import Worker
@@ -279,6 +300,7 @@ async def run_programs_on(client: Any, engines: Sequence[str], cfg: RunConfig) -
     problems = inp.problems() if hasattr(inp, "problems") else []
     if problems:  # before any program starts: each would fail with the same error
         raise ValueError(f"bad input for {cfg.example}: {'; '.join(problems)}")
+    await _check_reachable(engines)
     runtime = make_runtime(engines, cfg.policy, cfg.cost_model, cfg.routing)
     task_queue = f"hintflow-run-{uuid.uuid4().hex[:8]}"
     stop = asyncio.Event()

@@ -52,6 +52,11 @@ def test_run_rejects_bad_input_clearly() -> None:
         CLI + ["run", "coding-agent", "--cost-model", "nope"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "no cost model file 'nope'" in r.stderr
+    # A node nobody serves: said at once, not retried for half an hour per model call.
+    r = subprocess.run(
+        CLI + ["run", "coding-agent", "--engines", "127.0.0.1:1"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1 and "engine node(s) not reachable: 127.0.0.1:1 (UNAVAILABLE" in r.stderr, r.stderr
 
 
 def test_worker_starts_serves_and_stops_cleanly_on_sigint() -> None:
