@@ -15,6 +15,8 @@ from typing import Any
 
 import click
 
+from replay._cli import writable_parent
+
 DEFAULT_CAPACITIES = (100_000, 200_000, 400_000, 800_000, 1_600_000)
 
 
@@ -651,7 +653,8 @@ def worker(
     "--cost-model", default=None, help="Engine cost model (profile name or JSON) for routing and pin TTLs."
 )
 @click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the report here."
+    "--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=writable_parent,
+    help="Write the report here.",
 )
 def run(
     example: str,
@@ -679,8 +682,6 @@ def run(
     if problems:
         raise click.BadParameter("; ".join(problems), param_hint="--set")
     _check_cost_model(kw.get("cost_model"))
-    if json_out:
-        _check_output_dir(json_out)
     cfg = RunConfig(example=example, overrides=overrides, **kw)
     status = 0
     try:
@@ -750,17 +751,6 @@ def _parse_sets(input_type: type, sets: tuple[str, ...]) -> dict[str, Any]:
         except ValueError as exc:
             raise click.BadParameter(f"--set {s!r}: {exc}") from None
     return overrides
-
-
-def _check_output_dir(path: str) -> None:
-    """Fail before starting anything when the report could not be written at the end."""
-    import os
-
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise click.BadParameter(f"directory {str(parent)!r} does not exist", param_hint="--json")
-    if not os.access(parent, os.W_OK):
-        raise click.BadParameter(f"directory {str(parent)!r} is not writable", param_hint="--json")
 
 
 def _failure_text(exc: BaseException) -> str:

@@ -17,7 +17,7 @@ import click
 
 from replay._policies import REPLAY_CONFIGS, ReplayConfig, parse_policy_list, parse_variant
 
-__all__ = ["replay_command"]
+__all__ = ["replay_command", "writable_parent"]
 
 
 def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]] | None:
@@ -37,8 +37,9 @@ def _tqdm_progress(enabled: bool) -> Callable[[str, int], Callable[[int], None]]
     return make
 
 
-def _writable_parent(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A usage error now, not a traceback after a long replay, when the report could not be written."""
+def writable_parent(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback for an output file: a usage error now, not a traceback after a long run, when the file
+    could not be written (``hintflow replay --json``, ``hintflow run --json``)."""
     if value is not None:
         parent = os.path.dirname(os.path.abspath(value))
         if not os.path.isdir(parent):
@@ -94,7 +95,7 @@ def _writable_parent(ctx: click.Context, param: click.Parameter, value: str | No
               help="multiply every token count [workload default: 0.25 for swe-agent, else 1; with "
                    "--executor torch 0.05 for swe-agent, 0.2 for multi-agent and human-in-loop]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, writable=True), default=None,
-              callback=_writable_parent, help="write the report as JSON here")
+              callback=writable_parent, help="write the report as JSON here")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="write PNG plots (JCT CDF, across-turn hits, device memory) into this folder")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="tqdm bar per policy")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,18 +143,26 @@ def parse_policy_list(text: str | None, variants: Sequence[ReplayConfig] = ()) -
 
 
 # ---- variants: a registered configuration with some knobs turned -------------------------------------
-SCHEDULER_OPTIONS: dict[str, Option] = {
-    "max_num_batched_tokens": Option(int, "token budget of one step", minimum=1),
-    "max_num_seqs": Option(int, "sequences in one step", minimum=1),
-    "cold_prefill_budget_tokens": Option(int, "cold prefill tokens per step while warm work shares it",
-                                         minimum=0),
-    "warm_threshold_tokens": Option(int, "a request computing more than this is cold", minimum=0),
-    "program_fcfs_aging_s": Option(float, "most head start program FCFS gives an older program",
-                                   minimum=0.0, nullable=True),
-    "ttft_deadline_s": Option(float, "a request waiting this long goes first", minimum=0.0, min_open=True,
-                              nullable=True),
-    "admission_lookahead": Option(int, "queued requests an admission pass looks at", minimum=1),
-}
+def _scheduler_options() -> dict[str, Option]:
+    """Each field of the served node's ``SchedulerSettings`` (which mirrors ``SchedulerConfig``, a test holds
+    them equal) with its type and lower bound: one place says what a scheduler setting accepts."""
+    from annotated_types import Ge, Gt
+
+    from engine_adapter._config import SchedulerSettings
+
+    out: dict[str, Option] = {}
+    for name, f in SchedulerSettings.model_fields.items():
+        kinds = typing.get_args(f.annotation) or (f.annotation,)
+        bound = next((m for m in f.metadata if isinstance(m, Ge | Gt)), None)
+        out[name] = Option(
+            next(k for k in kinds if k is not type(None)), f"SchedulerConfig.{name}",
+            minimum=None if bound is None else float(typing.cast(float, bound.ge if isinstance(bound, Ge) else bound.gt)),
+            min_open=isinstance(bound, Gt), nullable=type(None) in kinds,
+        )
+    return out
+
+
+SCHEDULER_OPTIONS: dict[str, Option] = _scheduler_options()
 """The nodes' ``SchedulerConfig`` fields a variant may set (``scheduler.KEY``)."""
 
 

@@ -19,8 +19,8 @@ Hints about a session go to the node holding it (unknown sessions, e.g. model ca
 our nodes, go to every node; the node answers NOT_FOUND where it has no such session).  ``Release`` goes to
 every node.  Times in events are ``time.monotonic()``; hints carry durations, so clocks never mix.
 
-What the policy returns is checked again before it leaves (each hint must be one of ``hints``' models and
-pass its validation afresh): a bad one is dropped, counted in ``policy.num_invalid_hints`` and
+What a policy object of the user's own returns is checked again before it leaves (each hint must be one
+of ``hints``' models and pass its validation afresh; the registered policies build theirs validated): a bad one is dropped, counted in ``policy.num_invalid_hints`` and
 ``hintflow_invalid_hints_total{kind}``, logged once per kind, and never raises into the user's activity.
 
 Programs whose end the workflow never reports (terminated, timed out, or run on a worker that died) are
@@ -69,6 +69,7 @@ from hints import (
     parse_engine,
 )
 from orchestrator import (
+    POLICIES,
     HintPolicy,
     PauseModel,
     ProgramEnded,
@@ -173,6 +174,9 @@ class HintRuntime:
         if pause_model is not None:
             kw["pause_model"] = pause_model
         self.policy: HintPolicy = get_policy(policy, **kw) if isinstance(policy, str) else policy
+        # A registered policy builds every hint through pydantic already (``_BasePolicy._safe``): only a
+        # policy object of the user's own is checked again before its hints leave (``_valid``).
+        self._policy_validates = type(self.policy) in POLICIES.values()
         self.router = Router(prefill_s, policy=routing)
         # engine -> whether its last CacheState showed a host tier; a policy built here by name learns
         # from it how a lost context comes back (a policy object passed in is left as configured)
@@ -598,9 +602,9 @@ class HintRuntime:
         return [s.node] if s is not None and s.node in self.publishers else list(self.publishers)
 
     def publish(self, hints: Sequence[HintModel]) -> list[HintModel]:
-        """Send each hint to the node(s) it concerns; each is validated again first (see :meth:`_valid`).
-        Returns the hints that passed."""
-        hints = self._valid(hints)
+        """Send each hint to the node(s) it concerns; a user policy's are validated again first (see
+        :meth:`_valid`).  Returns the hints that passed."""
+        hints = list(hints) if self._policy_validates else self._valid(hints)
         per_node: dict[str, list[HintModel]] = defaultdict(list)
         pin_deadlines: dict[tuple[str, str], float] = {}
         for h in hints:
