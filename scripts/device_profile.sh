@@ -7,7 +7,7 @@
 #
 #   bash scripts/device_profile.sh wheels     # here, once: pydantic's wheels for its Python 3.12 into .whl/
 #   # then one device `run`, carrying .whl:
-#   #   run(command="bash scripts/device_profile.sh run", carry=[".whl"], timeout_s=540)
+#   #   run(command="bash scripts/device_profile.sh run; bash scripts/device_profile.sh check", carry=[".whl"], timeout_s=540)
 #   # and keep what came back: engine_adapter/profiles/h200-llama3-8b.json (plus the log)
 #
 # `run` takes extra `hintflow engine profile` options after it (e.g. `--repeats 1`); PROFILE_DEVICE,
@@ -17,6 +17,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+with_wheels() {  # the carried wheels, where the machine lacks them
+  if ! python3 -c 'import pydantic, pydantic_settings, dotenv' 2> /dev/null && compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  fi
+}
+
 case "${1:-}" in
   wheels)
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -24,15 +31,13 @@ case "${1:-}" in
     # the versions this checkout is tested with; pure-Python ones are any-platform wheels
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-      pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 typing_extensions==4.16.0
+      pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 typing_extensions==4.16.0 \
+      pydantic-settings==2.14.1 python-dotenv==1.2.2
     ls .whl
     ;;
   run)
     shift
-    if ! python3 -c 'import pydantic' 2> /dev/null && compgen -G ".whl/*.whl" > /dev/null; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-      export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-    fi
+    with_wheels
     out="${OUT:?OUT: where the profile is written (the device tool sets it)}"
     mkdir -p "$out"
     device="${PROFILE_DEVICE:-cuda}"
@@ -44,8 +49,16 @@ case "${1:-}" in
     PYTHONUNBUFFERED=1 python3 -c 'from hintflow.cli import main; main()' engine profile \
       --device "$device" --plan large --name "$name" --out "$out/$name.json" $shape "$@" 2>&1 | tee "$out/profile.log"
     ;;
+  check)
+    # the torch executor's correctness tests on the GPU (paged vs reference forward, tier copies through
+    # pinned memory); without the conftest, which needs pytest-asyncio and Temporal
+    with_wheels
+    out="${OUT:-/tmp}"
+    HINTFLOW_TEST_DEVICE="${PROFILE_DEVICE:-cuda}" python3 -m pytest --noconftest -q -p no:cacheprovider \
+      tests/test_torch_executor.py 2>&1 | tee "$out/check.log"
+    ;;
   *)
-    echo "usage: $0 wheels | run [hintflow engine profile options]" >&2
+    echo "usage: $0 wheels | run [hintflow engine profile options] | check" >&2
     exit 2
     ;;
 esac

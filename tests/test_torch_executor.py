@@ -3,6 +3,7 @@ can produce: prefix hits, chunked prefill, decode, batching, and offload/reload 
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -11,13 +12,16 @@ import torch
 from engine_adapter._executor import CopyOp, Executor, ScheduledBatch, ScheduledSeq
 from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig, make_torch_executor
 
-ATOL = 1e-5
+# HINTFLOW_TEST_DEVICE=cuda runs these on a GPU (scripts/device_profile.sh check); CI runs them on the CPU.
+DEVICE = os.environ.get("HINTFLOW_TEST_DEVICE", "cpu")
+# float32 throughout; a GPU's attention and matmul kernels reorder sums differently from the reference path
+ATOL = 1e-5 if DEVICE == "cpu" else 1e-4
 BS = 16
 
 
 @pytest.fixture
 def ex() -> TorchExecutor:
-    return TorchExecutor(TorchModelConfig(), num_device_blocks=48, num_host_blocks=8, device="cpu")
+    return TorchExecutor(TorchModelConfig(), num_device_blocks=48, num_host_blocks=8, device=DEVICE)
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -148,7 +152,7 @@ def test_the_node_measures_what_a_copy_between_tiers_costs(ex: TorchExecutor) ->
     assert 0.0 < first < 0.01  # seconds per token: a 16-token block copies in well under 0.16 s here
     ex.execute(ScheduledBatch(copies=[CopyOp("h2d", b, b) for b in range(4)]))
     assert ex.host_reload_s_per_token > 0.0 and ex.host_reload_s_per_token != first
-    no_tier = TorchExecutor(TorchModelConfig(), num_device_blocks=4, num_host_blocks=0, device="cpu")
+    no_tier = TorchExecutor(TorchModelConfig(), num_device_blocks=4, num_host_blocks=0, device=DEVICE)
     assert no_tier.host_reload_s_per_token == 0.0
 
 
@@ -180,13 +184,13 @@ def test_read_write_blocks_round_trip(ex: TorchExecutor) -> None:
 
 
 def test_fingerprint() -> None:
-    a = make_torch_executor(num_device_blocks=4, device="cpu")
-    b = make_torch_executor(num_device_blocks=8, num_host_blocks=2, device="cpu")
-    c = make_torch_executor(num_device_blocks=4, device="cpu", seed=1)
+    a = make_torch_executor(num_device_blocks=4, device=DEVICE)
+    b = make_torch_executor(num_device_blocks=8, num_host_blocks=2, device=DEVICE)
+    c = make_torch_executor(num_device_blocks=4, device=DEVICE, seed=1)
     assert a.fingerprint() == b.fingerprint() and len(a.fingerprint()) >= 8
     assert a.fingerprint() != c.fingerprint()
     assert (
-        a.fingerprint() != make_torch_executor(num_device_blocks=4, device="cpu", block_size=8).fingerprint()
+        a.fingerprint() != make_torch_executor(num_device_blocks=4, device=DEVICE, block_size=8).fingerprint()
     )
     toks = tokens(10)
     assert torch.equal(a.reference_logits(toks), b.reference_logits(toks))
