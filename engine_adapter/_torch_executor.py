@@ -19,6 +19,7 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from engine_adapter._executor import BatchChecker, CopyOp, KVLayout, ScheduledBatch, ScheduledSeq, StepOutput
 
@@ -80,19 +81,65 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int | None) -> torch.Tensor:
     """GQA attention of q ``[n, H, d]`` over k/v ``[c, KVH, d]``.
 
-    Query i sits at position ``q_offset + i`` and sees keys ``<=`` that position; ``q_offset=None``
-    uses SDPA's built-in causal mask instead (the reference path, so it checks the explicit mask).
+    Paged path (``q_offset`` given, ``c == q_offset + n``): query i sits at position ``q_offset + i`` and
+    sees keys ``<=`` that position, i.e. a causal mask aligned to the bottom-right corner, which SDPA's
+    fused kernels (FlashAttention) run without materializing it.  Reference path (``q_offset=None``):
+    SDPA's top-left causal mask over the whole sequence, with no paging in between.
     """
     rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    mask = None
-    if q_offset is not None:
-        qpos = torch.arange(q.shape[0], device=q.device) + q_offset
-        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= qpos[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=q_offset is None
-    )
+    qt = q.transpose(0, 1)
+    kt, vt = k.transpose(0, 1).repeat_interleave(rep, dim=0), v.transpose(0, 1).repeat_interleave(rep, dim=0)
+    n, c = q.shape[0], k.shape[0]
+    if q_offset is None or n == c:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    elif n == 1:  # one query at the last position sees every key
+        out = F.scaled_dot_product_attention(qt, kt, vt)
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(n, c))
     return out.transpose(0, 1)
+
+
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """One query per sequence, B sequences at once: q ``[B, H, d]`` over k/v ``[B, C, KVH, d]`` padded to
+    the longest context, ``valid`` ``[B, 1, 1, C]`` marking real keys (``None``: all contexts are C long).
+
+    Each KV head's ``H / KVH`` query heads ride as that head's query rows (the layout ``repeat_interleave``
+    gives), so the KV is read once per step, not once per query head or per sequence.
+    """
+    b, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, kvh, h // kvh, d)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid)
+    return out.reshape(b, h, d)
+
+
+def _runs(copies: list[CopyOp]) -> list[list[CopyOp]]:
+    """Split the ordered copies into runs of one kind with distinct destinations: inside a run nothing
+    reads what another op writes, so a run moves as one batch; runs keep their order (an offload can free
+    a device block that a later reload fills)."""
+    runs: list[list[CopyOp]] = []
+    dsts: set[int] = set()
+    for op in copies:
+        if not runs or runs[-1][0].kind != op.kind or op.dst in dsts:
+            runs.append([])
+            dsts = set()
+        runs[-1].append(op)
+        dsts.add(op.dst)
+    return runs
+
+
+def _spans(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(position in ids, first id, count)`` for each stretch of consecutive ids: one host copy each."""
+    spans: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if spans and spans[-1][1] + spans[-1][2] == b:
+            at, first, count = spans[-1]
+            spans[-1] = (at, first, count + 1)
+        else:
+            spans.append((i, b, 1))
+    return spans
 
 
 class _Decoder(nn.Module):
@@ -193,7 +240,10 @@ class TorchExecutor(BatchChecker):
         self._dtype = _DTYPES[config.dtype]
         self.model = _Decoder(config).place(self.device, self._dtype).eval()
         self.device_kv = torch.zeros(self.kv_shape(num_device_blocks), dtype=self._dtype, device=self.device)
-        host_kv = torch.zeros(self.kv_shape(num_host_blocks), dtype=self._dtype)
+        # The host tier is block-major, [block, layer, K/V, slot, head, dim]: a block is one contiguous run of
+        # bytes, so a tier copy is one DMA per stretch of consecutive blocks, where the device's layer-major
+        # layout would scatter each block into 2 x layers pieces.  Pinned, so those copies run async.
+        host_kv = torch.zeros(self.host_kv_shape(num_host_blocks), dtype=self._dtype)
         self.host_kv = host_kv.pin_memory() if self.device.type == "cuda" else host_kv
         self._copy_s_per_block = 0.0  # measured, smoothed: what a block copy between tiers costs here
 
@@ -211,6 +261,11 @@ class TorchExecutor(BatchChecker):
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         c = self.config
         return (c.num_layers, 2, num_blocks, c.block_size, c.num_kv_heads, c.head_dim)
+
+    def host_kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The host tier's own layout (block-major); ``read_blocks``/``write_blocks`` still speak ``kv_shape``."""
+        c = self.config
+        return (num_blocks, c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
 
     def fingerprint(self) -> str:
         blob = json.dumps({"model": _MODEL_VERSION, **dataclasses.asdict(self.config)}, sort_keys=True)
@@ -239,13 +294,26 @@ class TorchExecutor(BatchChecker):
         return StepOutput(sampled=sampled, elapsed_s=time.perf_counter() - t0, logits=logits)
 
     def _copy(self, copies: list[CopyOp]) -> None:
-        """Run the tier copies in order, timing them (the node reports the cost in its CacheState)."""
+        """Run the tier copies in order, timing them (the node reports the cost in its CacheState).
+
+        Each run of one kind moves as a batch through a block-major staging tensor on the device: one
+        gather or scatter over the device tier, one copy per stretch of consecutive host blocks.
+        """
         t0 = time.perf_counter()
-        for op in copies:
-            if op.kind == "d2h":
-                self.host_kv[:, :, op.dst].copy_(self.device_kv[:, :, op.src])
+        to_host = (2, 0, 1, 3, 4, 5)  # [layer, K/V, block, ...] -> [block, layer, K/V, ...]
+        for run in _runs(copies):
+            src, dst = [op.src for op in run], [op.dst for op in run]
+            if run[0].kind == "d2h":
+                idx = torch.tensor(src, device=self.device)
+                staged = self.device_kv[:, :, idx].permute(*to_host).contiguous()
+                for at, first, count in _spans(dst):
+                    self.host_kv[first : first + count].copy_(staged[at : at + count], non_blocking=True)
             else:
-                self.device_kv[:, :, op.dst].copy_(self.host_kv[:, :, op.src])
+                staged = torch.empty(self.host_kv_shape(len(run)), dtype=self._dtype, device=self.device)
+                for at, first, count in _spans(src):
+                    staged[at : at + count].copy_(self.host_kv[first : first + count], non_blocking=True)
+                idx = torch.tensor(dst, device=self.device)
+                self.device_kv[:, :, idx] = staged.permute(1, 2, 0, 3, 4, 5)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         per_block = (time.perf_counter() - t0) / len(copies)
@@ -253,34 +321,61 @@ class TorchExecutor(BatchChecker):
         self._copy_s_per_block = per_block if prev == 0.0 else 0.8 * prev + 0.2 * per_block
 
     def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        """Pack all new tokens for the matmuls; attention is per seq over its block table."""
+        """Pack all new tokens for the matmuls.  Attention: each prefill (or chunk) alone over its block
+        table; the decodes (one new token over a cached context) all together, padded to the longest."""
         bs, dev = self.config.block_size, self.device
-        ctx_slots: list[torch.Tensor] = []
-        bounds: list[tuple[int, int, int]] = []  # (first packed row, end row, start_pos)
-        rows: list[int] = []
+        new_slots: list[int] = []  # where each packed token's KV goes
+        prefills: list[tuple[int, int, int, torch.Tensor]] = []  # (first row, end row, start_pos, ctx slots)
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        rows: list[int] = []  # rows whose logits are wanted
         row = 0
         for s in seqs:
-            p = torch.arange(s.start_pos + len(s.token_ids))
-            ctx_slots.append((torch.tensor(s.block_ids)[p // bs] * bs + p % bs).to(dev))
-            bounds.append((row, row + len(s.token_ids), s.start_pos))
-            row += len(s.token_ids)
+            n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
+            if n == 1 and s.start_pos > 0:
+                dec_rows.append(row)
+                dec_tables.append(s.block_ids)
+                dec_lens.append(end)
+                new_slots.append(s.block_ids[(end - 1) // bs] * bs + (end - 1) % bs)
+            else:
+                p = torch.arange(end)
+                ctx = torch.tensor(s.block_ids)[p // bs] * bs + p % bs
+                prefills.append((row, row + n, s.start_pos, ctx.to(dev)))
+                new_slots.extend(ctx[s.start_pos :].tolist())
+            row += n
             if s.sample:
                 rows.append(row - 1)
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
         pos = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in seqs]).to(dev)
-        new_slots = torch.cat([sl[s.start_pos :] for s, sl in zip(seqs, ctx_slots, strict=True)])
+        slots = torch.tensor(new_slots, device=dev)
+        dec_idx = dec_slots = dec_valid = None
+        if dec_rows:
+            c = max(dec_lens)
+            width = -(-c // bs)  # a table may list more blocks than its context fills (reserved ones)
+            table = torch.zeros(len(dec_rows), width, dtype=torch.long)
+            for i, blocks in enumerate(dec_tables):
+                table[i, : min(len(blocks), width)] = torch.tensor(blocks[:width])
+            p = torch.arange(c)
+            valid = p[None, :] < torch.tensor(dec_lens)[:, None]
+            # padding reads slot 0 (any real slot) and is masked out
+            dec_slots = torch.where(valid, table[:, p // bs] * bs + p % bs, 0).to(dev)
+            dec_valid = None if min(dec_lens) == c else valid[:, None, None, :].to(dev)
+            dec_idx = torch.tensor(dec_rows, device=dev)
         kvh, hd = self.config.num_kv_heads, self.config.head_dim
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache = self.device_kv[layer, 0].view(-1, kvh, hd)
             v_cache = self.device_kv[layer, 1].view(-1, kvh, hd)
-            k_cache[new_slots], v_cache[new_slots] = k, v
-            return torch.cat(
-                [
-                    _attention(q[a:b], k_cache[sl], v_cache[sl], start)
-                    for (a, b, start), sl in zip(bounds, ctx_slots, strict=True)
-                ]
-            )
+            k_cache[slots], v_cache[slots] = k, v
+            out = torch.empty_like(q)
+            for a, b, start, ctx in prefills:
+                out[a:b] = _attention(q[a:b], k_cache[ctx], v_cache[ctx], start)
+            if dec_idx is not None and dec_slots is not None:
+                out[dec_idx] = _decode_attention(
+                    q[dec_idx], k_cache[dec_slots], v_cache[dec_slots], dec_valid
+                )
+            return out
 
         return self.model(ids, pos, attend, torch.tensor(rows, dtype=torch.long, device=dev))
 
@@ -317,8 +412,10 @@ class TorchExecutor(BatchChecker):
 
     def read_blocks(self, tier: Tier, block_ids: list[int]) -> bytes:
         idx = self._check_ids(tier, block_ids)
-        kv = self._tier(tier)
-        data = kv[:, :, idx.to(kv.device)].cpu().contiguous()
+        if tier == "host":
+            data = self.host_kv[idx].permute(1, 2, 0, 3, 4, 5).contiguous()
+        else:
+            data = self.device_kv[:, :, idx.to(self.device)].cpu().contiguous()
         return data.view(torch.uint8).numpy().tobytes()
 
     def write_blocks(self, tier: Tier, block_ids: list[int], data: bytes) -> None:
@@ -334,7 +431,10 @@ class TorchExecutor(BatchChecker):
         )
         src = raw.view(self._dtype).reshape(self.kv_shape(len(block_ids)))
         with torch.inference_mode():
-            kv[:, :, idx.to(kv.device)] = src.to(kv.device)
+            if tier == "host":
+                kv[idx] = src.permute(2, 0, 1, 3, 4, 5)
+            else:
+                kv[:, :, idx.to(kv.device)] = src.to(kv.device)
 
 
 def make_torch_executor(

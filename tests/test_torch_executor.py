@@ -55,7 +55,7 @@ def test_protocol_and_layout(ex: TorchExecutor) -> None:
     assert isinstance(ex, Executor)
     assert ex.name == "torch"
     assert ex.kv_shape(3) == (2, 2, 3, BS, 2, 32)
-    assert ex.device_kv.shape == ex.kv_shape(48) and ex.host_kv.shape == ex.kv_shape(8)
+    assert ex.device_kv.shape == ex.kv_shape(48) and ex.host_kv.shape == ex.host_kv_shape(8)
     assert ex.layout.block_nbytes == 2 * 2 * BS * 2 * 32 * 4
 
 
@@ -128,6 +128,42 @@ def test_batched_seqs_equal_each_alone(ex: TorchExecutor) -> None:
     assert close(batched["c2"], ex.reference_logits(c))
 
 
+def test_decodes_of_different_lengths_batch_together(ex: TorchExecutor) -> None:
+    """Decodes run as one padded attention call: contexts of 1..3 blocks, one ending at a block boundary,
+    one table listing a reserved block beyond its context, next to a chunked prefill."""
+    ctxs = {
+        "a": tokens(5, seed=20),
+        "b": tokens(31, seed=21),
+        "c": tokens(47, seed=22),
+        "d": tokens(16, seed=23),
+    }
+    tables = {"a": [40], "b": [41, 42], "c": [43, 44, 45], "d": [46, 47]}  # d's second block is reserved
+    for rid, toks in ctxs.items():
+        step(ex, seq(rid, toks, 0, tables[rid], sample=False))
+    chunk = tokens(20, seed=24)
+    step(ex, seq("p", chunk[:10], 0, [30, 31], sample=False))
+    nxt = {rid: 100 + i for i, rid in enumerate(ctxs)}
+    got = step(
+        ex,
+        *(seq(rid, [nxt[rid]], len(toks), tables[rid]) for rid, toks in ctxs.items()),
+        seq("p", chunk[10:], 10, [30, 31]),
+    )
+    for rid, toks in ctxs.items():
+        assert close(got[rid], ex.reference_logits([*toks, nxt[rid]])), rid
+    assert close(got["p"], ex.reference_logits(chunk))
+
+
+def test_copies_to_one_block_keep_their_order(ex: TorchExecutor) -> None:
+    """Copies in one step run as batches, but a later copy to the same destination still wins."""
+    for b, fill in ((0, 1), (1, 2), (2, 3)):
+        ex.write_blocks("device", [b], bytes([fill]) * ex.layout.block_nbytes)
+    ex.execute(ScheduledBatch(copies=[CopyOp("d2h", 0, 3), CopyOp("d2h", 1, 4), CopyOp("d2h", 2, 3)]))
+    filled = {fill: bytes([fill]) * ex.layout.block_nbytes for fill in (1, 2, 3)}
+    assert ex.read_blocks("host", [3]) == filled[3] and ex.read_blocks("host", [4]) == filled[2]
+    ex.execute(ScheduledBatch(copies=[CopyOp("h2d", 4, 9), CopyOp("h2d", 3, 10), CopyOp("h2d", 4, 10)]))
+    assert ex.read_blocks("device", [9]) == filled[2] and ex.read_blocks("device", [10]) == filled[2]
+
+
 def test_offload_reload_round_trip(ex: TorchExecutor) -> None:
     toks = tokens(40, seed=8)
     step(ex, seq("a", toks, 0, [0, 1, 2], sample=False))
@@ -173,7 +209,7 @@ def test_read_write_blocks_round_trip(ex: TorchExecutor) -> None:
         ex.write_blocks(tier, [3, 1], raw)  # type: ignore[arg-type]
         assert ex.read_blocks(tier, [3, 1]) == raw  # type: ignore[arg-type]
         assert ex.read_blocks(tier, [1]) == data[:, :, 1:].contiguous().numpy().tobytes()  # type: ignore[arg-type]
-    assert torch.equal(ex.device_kv[:, :, 3], data[:, :, 0])
+    assert torch.equal(ex.device_kv[:, :, 3].cpu(), data[:, :, 0])
     assert ex.read_blocks("device", []) == b""
     with pytest.raises(ValueError, match="bytes"):
         ex.write_blocks("device", [3, 1], raw[:-4])
