@@ -32,9 +32,9 @@ from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig
 __all__ = ["FULL_PLAN", "LARGE_PLAN", "PLANS", "QUICK_PLAN", "ProfilePlan", "fit_nonneg", "profile_torch_executor"]
 
 _PREFILL_NOTE = (
-    "the (p+n)^2-p^2 form describes causal kernels that skip masked tiles (FlashAttention); TorchExecutor's "
-    "SDPA with an explicit mask computes the whole n x (p+n) score rectangle, and on CPU loses cache "
-    "locality past ~1k tokens, so long one-shot prefills cost more here than the fit says"
+    "the (p+n)^2-p^2 form describes causal kernels that skip masked tiles (FlashAttention, SDPA's fused "
+    "kernels); TorchExecutor runs those since it gives SDPA 4-D inputs (before, the math kernel computed "
+    "the whole n x (p+n) score rectangle and long one-shot prefills cost 2-2.5x what the fit said)"
 )
 
 

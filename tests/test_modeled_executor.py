@@ -283,11 +283,12 @@ def test_quick_profile_predicts_held_out_prefill() -> None:
     for field in ("prefill_b_s_per_token", "prefill_c_s_per_token2", "decode_per_seq_s", "copy_per_block_s"):
         assert getattr(prof, field) > 0, field
     assert prof.prefill_a_s >= 0 and prof.decode_base_s + prof.decode_per_ctx_token_s > 0
-    # Prefill R² is modest by nature here (see the fit note: the CPU kernel is not causal-tiled).
-    assert prof.fit["prefill"]["r2"] > 0.3 and prof.fit["prefill"]["median_rel_err"] < 0.3
-    # Batched decode steps of the tiny model are mostly fixed cost, so their spread is small and R² is
-    # noisy (0.88-0.99 over runs); the relative error is the steadier check (0.02-0.06).
-    assert prof.fit["decode"]["r2"] > 0.7 and prof.fit["decode"]["median_rel_err"] < 0.15
+    # Fused causal attention fits the (p+n)²-p² form (R² 0.99 here; the unfused math kernel gave 0.5-0.8).
+    assert prof.fit["prefill"]["r2"] > 0.9 and prof.fit["prefill"]["median_rel_err"] < 0.2
+    # Batched decode steps of the tiny model are mostly fixed cost, so their spread is small and one slow
+    # sample (the first process's page faults land in its CPU time) moves R² a lot (0.56-0.999 over
+    # runs); the median relative error is the steadier check (0.01-0.07).
+    assert prof.fit["decode"]["r2"] > 0.3 and prof.fit["decode"]["median_rel_err"] < 0.15
     assert prof.fit["copy"]["r2"] > 0.7
     assert 384 not in [n for n, _, _ in prof.fit["prefill"]["samples_n_p_s"]]
     before = torch.get_num_threads()
