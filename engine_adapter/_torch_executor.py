@@ -364,8 +364,10 @@ class TorchExecutor(BatchChecker):
                 table[i, : min(len(blocks), width)] = torch.tensor(blocks[:width])
             p = torch.arange(c)
             valid = p[None, :] < torch.tensor(dec_lens)[:, None]
-            # padding reads slot 0 (any real slot) and is masked out
-            dec_slots = torch.where(valid, table[:, p // bs] * bs + p % bs, 0).to(dev)
+            # Padding reads the sequence's own first slot and is masked out.  Not a shared slot such as 0: a
+            # masked score still adds up, and NaN or inf KV in a block nobody owns would poison every row.
+            slots2d = table[:, p // bs] * bs + p % bs
+            dec_slots = torch.where(valid, slots2d, slots2d[:, :1]).to(dev)
             dec_valid = None if min(dec_lens) == c else valid[:, None, None, :].to(dev)
             dec_idx = torch.tensor(dec_rows, device=dev)
         kvh, hd = self.config.num_kv_heads, self.config.head_dim

@@ -142,6 +142,7 @@ def test_decodes_of_different_lengths_batch_together(ex: TorchExecutor) -> None:
         step(ex, seq(rid, toks, 0, tables[rid], sample=False))
     chunk = tokens(20, seed=24)
     step(ex, seq("p", chunk[:10], 0, [30, 31], sample=False))
+    ex.write_blocks("device", [0], bytes([0xFF]) * ex.layout.block_nbytes)  # NaN KV in a block nobody owns
     nxt = {rid: 100 + i for i, rid in enumerate(ctxs)}
     got = step(
         ex,
