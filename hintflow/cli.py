@@ -704,35 +704,16 @@ def run(
 
 
 def _coerce(name: str, raw: str, typ: Any) -> Any:
-    """``raw`` as a value of the field's type, or ValueError saying what was expected."""
-    import math
+    """``raw`` as a value of the field's type, or ValueError saying what was expected (scalars parse as a
+    policy option's value does: one parser, one wording)."""
+    from orchestrator._policy_spec import Option, parse_value
 
-    if typ is bool:
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name} takes true or false, got {raw!r}")
-    if typ is int:
-        try:
-            return int(raw.strip().replace("_", ""), 10)
-        except ValueError:
-            raise ValueError(f"{name} takes an integer, got {raw!r}") from None
-    if typ is float:
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"{name} takes a number, got {raw!r}") from None
-        if not math.isfinite(value):
-            raise ValueError(f"{name} takes a finite number, got {raw!r}")
-        return value
-    if typ is str:
-        return raw
+    if typ in (bool, int, float, str):
+        return raw if typ is str else parse_value(name, raw, Option(typ, ""))
     try:  # a structured field (none of the examples has one today): JSON
         return json.loads(raw)
     except json.JSONDecodeError:
-        raise ValueError(f"{name} takes a JSON value, got {raw!r}") from None
+        raise ValueError(f"{name}={raw!r}: expected a JSON value") from None
 
 
 def _parse_sets(input_type: type, sets: tuple[str, ...]) -> dict[str, Any]:

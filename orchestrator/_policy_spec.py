@@ -60,7 +60,7 @@ def parse_value(key: str, raw: str, option: Option) -> Scalar:
     if option.nullable and text.lower() in ("none", "null"):
         return None
     kind = option.kind
-    what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[kind]
+    what = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[kind]
     value: Scalar
     try:
         if kind is bool:

@@ -37,8 +37,8 @@ def test_a_spec_builds_its_policy_with_its_options_winning_over_the_callers() ->
 @pytest.mark.parametrize(("text", "message"), [
     ("hintflw", "unknown policy 'hintflw'; known policies: continuum, hintflow, kvflow"),
     ("hintflow:rel_chang=1", "unknown option 'rel_chang'; known: rel_change, min_change_s, renew_ahead_s"),
-    ("hintflow:rel_change=fast", "rel_change='fast': expected a number"),
-    ("hintflow:rel_change=nan", "rel_change='nan': expected a number"),
+    ("hintflow:rel_change=fast", "rel_change='fast': expected a finite number"),
+    ("hintflow:rel_change=nan", "rel_change='nan': expected a finite number"),
     ("hintflow:rel_change=-0.1", "rel_change='-0.1': must be >= 0"),
     ("hintflow:pause.default_mean_s=0", "must be > 0"),
     ("hintflow:pause.min_samples=2.5", "pause.min_samples='2.5': expected an integer"),

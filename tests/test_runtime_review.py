@@ -427,9 +427,9 @@ def test_run_prints_the_innermost_cause_of_a_failed_program(cli: tuple[CliRunner
     ("args", "expect"),
     [
         (["--set", "tool_mean_s=0"], "tool_mean_s must be a finite number > 0"),
-        (["--set", "turns=abc"], "turns takes an integer, got 'abc'"),
-        (["--set", "turns=2.5"], "turns takes an integer"),
-        (["--set", "tool_sd_s=inf"], "tool_sd_s takes a finite number"),
+        (["--set", "turns=abc"], "turns='abc': expected an integer"),
+        (["--set", "turns=2.5"], "turns='2.5': expected an integer"),
+        (["--set", "tool_sd_s=inf"], "tool_sd_s='inf': expected a finite number"),
         (["--set", "turns=0"], "turns must be an integer >= 1"),
         (["--json", "/nonexistent-dir/out.json"], "'/nonexistent-dir' does not exist"),
     ],
