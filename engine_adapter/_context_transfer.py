@@ -1,6 +1,7 @@
 """Moving a parked session's KV context between nodes: ``ContextData`` out of one, into another.
 
-Export flushes pending tier copies first and reads the context's blocks (device, then host) as bytes;
+Export flushes pending tier copies first and reads the context's blocks (device, then host) as bytes in
+the executor's ``kv_shape`` layout;
 import checks the model and layout, takes device blocks (evicting others if it must) and writes them.
 Both run under the engine's lock and its ``executing`` lock: a step's forward pass, which runs outside
 the engine's lock, may be writing into blocks just freed by an abort, and only a step may use them then.
@@ -11,9 +12,11 @@ touch this path; ``EngineCore.export_context``/``import_context`` call in here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
 from hints._models import OptionalProgramId, SessionId
@@ -56,11 +59,10 @@ def export_context(core: EngineCore, session_id: str, release_after: bool = Fals
         n_tokens = s.num_device_tokens + s.num_host_tokens
         dev_ids = s.block_ids[: -(-s.num_device_tokens // bs)]
         host_ids = s.host_block_ids[: -(-n_tokens // bs) - len(dev_ids)]
-        data = b""
-        if dev_ids:
-            data += ex.read_blocks("device", dev_ids)
+        parts = [(ex.read_blocks("device", dev_ids), len(dev_ids))] if dev_ids else []
         if host_ids:
-            data += ex.read_blocks("host", host_ids)
+            parts.append((ex.read_blocks("host", host_ids), len(host_ids)))
+        data = _join_blocks(ex.kv_shape, parts)
         blob = ContextData(
             session_id=s.session_id,
             program_id=s.program_id,
@@ -77,6 +79,24 @@ def export_context(core: EngineCore, session_id: str, release_after: bool = Fals
         return blob
 
 
+def _join_blocks(kv_shape: Callable[[int], tuple[int, ...]], parts: list[tuple[bytes, int]]) -> bytes:
+    """Bytes of ``n1 + n2 + ...`` blocks in ``kv_shape``'s layout from parts of ``n_i`` blocks each.
+
+    The layout is layer-major (``[layers, K/V, blocks, ...]``): a part's bytes hold each layer's slice of
+    all its blocks before the next layer's, so parts join along the block axis, not end to end (end to end,
+    a context split over the device and host tiers came back with its blocks' layers interleaved).
+    """
+    if not parts:
+        return b""
+    if len(parts) == 1:
+        return parts[0][0]
+    one, two = kv_shape(1), kv_shape(2)
+    axis = next(i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)  # the block axis
+    lead = math.prod(one[:axis])
+    arrays = [np.frombuffer(data, np.uint8).reshape(lead, n, -1) for data, n in parts]
+    return np.concatenate(arrays, axis=1).tobytes()
+
+
 def import_context(core: EngineCore, blob: ContextData) -> tuple[int, int]:
     ex = core.executor
     if blob.model_fingerprint != ex.fingerprint():
@@ -87,8 +107,10 @@ def import_context(core: EngineCore, blob: ContextData) -> tuple[int, int]:
         raise FailedPrecondition(
             f"KV layout differs: block_size {blob.block_size}/{blob.dtype} vs {core.block_size}/{ex.layout.dtype}"
         )
-    for what, adapter, value in (("session_id", _SESSION_ID, blob.session_id),
-                                 ("program_id", _PROGRAM_ID, blob.program_id)):
+    for what, adapter, value in (
+        ("session_id", _SESSION_ID, blob.session_id),
+        ("program_id", _PROGRAM_ID, blob.program_id),
+    ):
         try:  # the protocol's rules, as for Generate: an odd id would break every later CacheState
             adapter.validate_python(value)
         except ValidationError as e:

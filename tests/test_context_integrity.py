@@ -86,17 +86,25 @@ class TrackingExecutor(ModeledExecutor):
         return out
 
     def read_blocks(self, tier: Tier, block_ids: list[int]) -> bytes:
-        n = self.layout.block_nbytes
-        out = bytearray(n * len(block_ids))
+        """In ``kv_shape``'s layer-major layout, as every executor's: a block's token ids stand in for its
+        first layer's K, so bytes joined or split along the wrong axis land in the wrong block."""
+        lead, per = self._layout_dims()
+        out = np.zeros((lead, len(block_ids), per), np.uint8)
         for i, b in enumerate(block_ids):
-            raw = self.slots[tier][b].tobytes()
-            out[i * n : i * n + len(raw)] = raw
-        return bytes(out)
+            raw = np.frombuffer(self.slots[tier][b].tobytes(), np.uint8)
+            out[0, i, : raw.size] = raw
+        return out.tobytes()
 
     def write_blocks(self, tier: Tier, block_ids: list[int], data: bytes) -> None:
-        n, bs = self.layout.block_nbytes, self.layout.block_size
+        lead, per = self._layout_dims()
+        arr = np.frombuffer(data, np.uint8).reshape(lead, len(block_ids), per)
+        width = 8 * self.layout.block_size
         for i, b in enumerate(block_ids):
-            self.slots[tier][b] = np.frombuffer(data[i * n : i * n + 8 * bs], np.int64)
+            self.slots[tier][b] = np.frombuffer(arr[0, i, :width].tobytes(), np.int64)
+
+    def _layout_dims(self) -> tuple[int, int]:
+        lead = self.layout.num_layers * 2
+        return lead, self.layout.block_nbytes // lead
 
 
 def make_core(
@@ -570,3 +578,17 @@ def test_a_busy_node_does_not_starve_a_context_export() -> None:
             assert done.wait(5.0), "the export waited behind the busy step loop"
     finally:
         core.stop()
+
+
+def test_a_context_on_both_tiers_exports_block_by_block() -> None:
+    """The torch executor's real layout: device and host parts join along the block axis (end to end, each
+    block came back holding slices of the others)."""
+    from engine_adapter._context_transfer import _join_blocks
+
+    ex = make_torch_executor(num_device_blocks=8, num_host_blocks=4, device="cpu")
+    nb = ex.layout.block_nbytes
+    for tier, block, fill in (("device", 0, 1), ("device", 1, 2), ("host", 2, 3)):
+        ex.write_blocks(tier, [block], bytes([fill]) * nb)  # type: ignore[arg-type]
+    joined = _join_blocks(ex.kv_shape, [(ex.read_blocks("device", [0, 1]), 2), (ex.read_blocks("host", [2]), 1)])
+    ex.write_blocks("device", [5, 6, 7], joined)
+    assert [ex.read_blocks("device", [b]) for b in (5, 6, 7)] == [bytes([f]) * nb for f in (1, 2, 3)]
