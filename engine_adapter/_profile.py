@@ -27,7 +27,7 @@ import torch
 
 from engine_adapter._cost_model import CostModel
 from engine_adapter._executor import CopyOp, ScheduledBatch, ScheduledSeq
-from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig
+from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig, retain_freed_memory
 
 __all__ = ["FULL_PLAN", "LARGE_PLAN", "PLANS", "QUICK_PLAN", "ProfilePlan", "fit_nonneg", "profile_torch_executor"]
 
@@ -148,6 +148,8 @@ def profile_torch_executor(
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     torch.set_num_threads(threads or before)
     try:
+        if _resolve(device).type == "cpu":
+            retain_freed_memory()  # steps on this thread: keep each step's temporaries' pages (see there)
         ex, batches, points = _build(points_plan, cfg, device)
         (progress or (lambda _m: None))(
             f"timing {len(batches)} steps x {repeats} rounds (each after a warm-up call)"

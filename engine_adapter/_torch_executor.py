@@ -79,18 +79,20 @@ class TorchModelConfig:
 def retain_freed_memory() -> bool:
     """Keep freed CPU memory in this process's heap (glibc; once per process; True if it took).
 
-    glibc hands a freed buffer above its mmap threshold (dynamic, 128 KiB up to 32 MiB) straight back to
-    the OS and trims the heap top past 128 KiB, so a CPU node's per-step temporaries of a few MB fault
-    their pages in again on every step: 16 decodes at the demo's shape took 12-45 ms a step, bimodally,
-    and 11-14 ms with both thresholds raised (``scripts/decode_bench.py``).  A serving process keeps its
-    peak memory anyway; this keeps it without the faults.
+    On the main thread's malloc arena, glibc hands a freed buffer above its mmap threshold (adjusted
+    between 128 KiB and 32 MiB) back to the OS and trims the heap top, so a CPU executor's per-step
+    temporaries of a few MB fault their pages in again on every step: 16 decodes at the demo's shape
+    stepped on the main thread took 12-49 ms, bimodally, and 12-16 ms with both thresholds raised.  A
+    node steps on its own thread, whose arena kept its memory anyway (12-14 ms either way), so only the
+    callers that step on the main thread call this: the torch replay and the profiler.  Process-wide: it
+    also ends glibc's automatic threshold adjustment for every other thread.
     """
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-        took = libc.mallopt(m_mmap_threshold, 32 << 20) == 1  # glibc's largest mmap threshold on 64-bit
+        took = libc.mallopt(m_mmap_threshold, 32 << 20) == 1  # the top of glibc's own adjustment range
         return libc.mallopt(m_trim_threshold, 1 << 30) == 1 and took
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
@@ -267,8 +269,6 @@ class TorchExecutor(BatchChecker):
             raise ValueError("block counts must be >= 0")
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cpu":
-            retain_freed_memory()
         self.num_device_blocks, self.num_host_blocks = num_device_blocks, num_host_blocks
         self.max_model_len, self.vocab_size = config.max_model_len, config.vocab_size
         self.layout = KVLayout(

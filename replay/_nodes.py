@@ -186,8 +186,14 @@ def make_executor(spec: NodeSpec, num_device_blocks: int, num_host_blocks: int, 
                                max_model_len=spec.max_model_len, seed=seed)
     if spec.executor != "torch":
         raise ValueError(f"unknown executor {spec.executor!r}; known: modeled, torch")
-    from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig  # torch loads only here
+    from engine_adapter._torch_executor import (  # torch loads only here
+        TorchExecutor,
+        TorchModelConfig,
+        retain_freed_memory,
+    )
 
+    if spec.torch_device == "cpu":
+        retain_freed_memory()  # the replay steps torch nodes on its main thread (see there)
     config = TorchModelConfig(vocab_size=spec.vocab_size, max_model_len=spec.max_model_len,
                               block_size=cm.block_size)
     return TorchExecutor(config, num_device_blocks, num_host_blocks, device=spec.torch_device)

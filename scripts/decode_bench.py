@@ -1,27 +1,29 @@
 """Decode-step time of the torch executor at the demo nodes' shape (hidden 256, 4 layers, 4 heads / 2 KV
 heads; one torch thread, CPU unless a device is given): 1 and 16 sequences at a 1,000-token context.
 
-Usage: ``python3 scripts/decode_bench.py [cpu|cuda]``.  Prints the median and best of 100 steps, wall clock,
-each after one untimed step.  A small batch costs per-op dispatch rather than FLOPs, so this tracks how
-many ops a layer runs.
+Usage: ``python3 scripts/decode_bench.py [cpu|cuda] [thread|main]``.  Prints the median and best of 100
+steps, wall clock, each after one untimed step, stepped on a thread of its own as a node steps (default) or
+on the main thread as the torch replay and the profiler do (glibc gives threads their own malloc arenas,
+which behave differently from the main thread's; ``main`` keeps freed memory as those callers do).  A small batch costs per-op dispatch
+rather than FLOPs, so this tracks how many ops a layer runs.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+import threading
 import time
 
 import torch
 
 from engine_adapter._executor import ScheduledBatch, ScheduledSeq
-from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig
+from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig, retain_freed_memory
 
 CTX, BLOCKS_PER_SEQ, ROUNDS = 1000, 63, 100
 
 
-def main() -> None:
-    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+def bench(device: str) -> None:
     torch.set_num_threads(1)
     cfg = TorchModelConfig(
         hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512, max_model_len=4096
@@ -45,6 +47,17 @@ def main() -> None:
             f"{num_seqs} decodes at {CTX} tokens on {device}: median {statistics.median(times) * 1e3:.3f} ms, "
             f"best {min(times) * 1e3:.3f} ms"
         )
+
+
+def main() -> None:
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    if (sys.argv[2] if len(sys.argv) > 2 else "thread") == "main":
+        retain_freed_memory()
+        bench(device)
+        return
+    stepper = threading.Thread(target=bench, args=(device,), name="hintflow-engine-bench")
+    stepper.start()
+    stepper.join()
 
 
 if __name__ == "__main__":
