@@ -730,7 +730,7 @@ def _parse_sets(input_type: type, sets: tuple[str, ...]) -> dict[str, Any]:
         try:
             overrides[name] = _coerce(name, raw, hints.get(name))
         except ValueError as exc:
-            raise click.BadParameter(f"--set {s!r}: {exc}") from None
+            raise click.BadParameter(f"--set {exc}") from None  # (the message names FIELD='VALUE')
     return overrides
 
 

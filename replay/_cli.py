@@ -83,7 +83,7 @@ def writable_parent(ctx: click.Context, param: click.Parameter, value: str | Non
               help="host KV memory per node, for the policies that use one; with --backend vllm, the "
                    "host tier of the MODE+host policies [all live contexts; vllm: every program's longest]")
 @click.option("--cost-model", default=None,
-              help="bundled profile name (cpu-tiny, h100-llama3-8b, a100-llama3-8b) or a JSON file "
+              help="bundled profile name (cpu-tiny, h200-llama3-8b, h100-llama3-8b, a100-llama3-8b) or a JSON file "
                    "[h100-llama3-8b; cpu-tiny with --executor torch]")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="KV block size of the replayed nodes (copy cost rescaled) [128; 16 with --executor torch]")
