@@ -7,7 +7,8 @@
 #
 #   bash scripts/device_profile.sh wheels     # here, once: pydantic's wheels for its Python 3.12 into .whl/
 #   # then one device `run`, carrying .whl:
-#   #   run(command="bash scripts/device_profile.sh run; bash scripts/device_profile.sh check", carry=[".whl"], timeout_s=540)
+#   #   run(command="bash scripts/device_profile.sh check; bash scripts/device_profile.sh bench; bash scripts/device_profile.sh run",
+#   #       carry=[".whl"], timeout_s=540)
 #   # and keep what came back: engine_adapter/profiles/h200-llama3-8b.json (plus the log)
 #
 # `run` takes extra `hintflow engine profile` options after it (e.g. `--repeats 1`); PROFILE_DEVICE,
@@ -57,8 +58,15 @@ case "${1:-}" in
     HINTFLOW_TEST_DEVICE="${PROFILE_DEVICE:-cuda}" python3 -m pytest --noconftest -q -p no:cacheprovider \
       tests/test_torch_executor.py 2>&1 | tee "$out/check.log"
     ;;
+  bench)
+    # attention kernels by input rank (scripts/sdpa_probe.py) and decode steps at the demo shape, on the GPU
+    with_wheels
+    out="${OUT:-/tmp}"
+    device="${PROFILE_DEVICE:-cuda}"
+    { python3 scripts/sdpa_probe.py "$device"; python3 scripts/decode_bench.py "$device"; } 2>&1 | tee "$out/bench.log"
+    ;;
   *)
-    echo "usage: $0 wheels | run [hintflow engine profile options] | check" >&2
+    echo "usage: $0 wheels | run [hintflow engine profile options] | check | bench" >&2
     exit 2
     ;;
 esac
