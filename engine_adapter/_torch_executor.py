@@ -282,13 +282,18 @@ class TorchExecutor(BatchChecker):
         # layout would scatter each block into 2 x layers pieces.  Pinned, so those copies run async.
         host_kv = torch.zeros(self.host_kv_shape(num_host_blocks), dtype=self._dtype)
         self.host_kv = host_kv.pin_memory() if self.device.type == "cuda" else host_kv
-        self._copy_s_per_block = 0.0  # measured, smoothed: what a block copy between tiers costs here
+        # What a block copy between tiers costs here: decayed sums of copy time and blocks copied, so a
+        # step's fixed cost is spread over its blocks and a one-block step does not count like a bulk one.
+        self._copy_s_sum = self._copy_blocks_sum = 0.0
 
     @property
     def host_reload_s_per_token(self) -> float:
-        """Seconds to copy one token's KV between the tiers, as measured on this node's own copies
-        (a moving average over steps with copies); 0 until it has copied anything, or with no host tier."""
-        return self._copy_s_per_block / self.config.block_size if self.num_host_blocks else 0.0
+        """Seconds to copy one token's KV between the tiers, as measured on this node's own copies (time
+        over blocks, both decayed by 0.8 a step with copies); 0 until it has copied anything, or with no
+        host tier."""
+        if not self.num_host_blocks or not self._copy_blocks_sum:
+            return 0.0
+        return self._copy_s_sum / self._copy_blocks_sum / self.config.block_size
 
     @property
     def tokens_embedded(self) -> int:
@@ -353,9 +358,8 @@ class TorchExecutor(BatchChecker):
                 self.device_kv[:, :, idx] = staged.permute(1, 2, 0, 3, 4, 5)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        per_block = (time.perf_counter() - t0) / len(copies)
-        prev = self._copy_s_per_block
-        self._copy_s_per_block = per_block if prev == 0.0 else 0.8 * prev + 0.2 * per_block
+        self._copy_s_sum = 0.8 * self._copy_s_sum + (time.perf_counter() - t0)
+        self._copy_blocks_sum = 0.8 * self._copy_blocks_sum + len(copies)
 
     def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """Pack all new tokens for the matmuls.  Attention: each prefill (or chunk) alone over its block

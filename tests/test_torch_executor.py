@@ -182,7 +182,7 @@ def test_offload_reload_round_trip(ex: TorchExecutor) -> None:
 
 def test_the_node_measures_what_a_copy_between_tiers_costs(ex: TorchExecutor) -> None:
     """0 until it has copied anything (the router then keeps its default), then the measured cost per token,
-    a moving average; a node without a host tier reports 0."""
+    decayed copy time over decayed blocks copied; a node without a host tier reports 0."""
     assert ex.host_reload_s_per_token == 0.0
     ex.execute(ScheduledBatch(copies=[CopyOp("d2h", b, b) for b in range(4)]))
     first = ex.host_reload_s_per_token
