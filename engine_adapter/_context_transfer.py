@@ -148,9 +148,18 @@ def import_context(core: EngineCore, blob: ContextData) -> tuple[int, int]:
                 core.kv.free_session(s)
             core._changed()
             raise ResourceExhausted(f"no room for {n_blocks} blocks on node {core.node_id}")
-        _flush_copies(core)  # offloads chosen just now must read their blocks before we overwrite
-        if blocks:
-            ex.write_blocks("device", blocks, blob.kv_data)
+        try:
+            _flush_copies(core)  # offloads chosen just now must read their blocks before we overwrite
+            if blocks:
+                ex.write_blocks("device", blocks, blob.kv_data)
+        except Exception:
+            for bid in blocks:  # not the session's yet: give them back, and leave no half-made session
+                core.kv.device.unref(bid)
+            core.kv.park(s)
+            if existing is None:
+                core.kv.free_session(s)
+            core._changed()
+            raise
         s.token_ids = list(blob.token_ids)
         s.block_ids = blocks
         s.block_hashes = []
@@ -161,6 +170,14 @@ def import_context(core: EngineCore, blob: ContextData) -> tuple[int, int]:
 
 
 def _flush_copies(core: EngineCore) -> None:
+    """Run the pending tier copies now.  If the executor fails, they are handled as a failed step's: the
+    contexts that would read a block they were to fill let go of it (recomputed later), then it raises."""
     ops = core.kv.take_copies()
-    if ops:
+    if not ops:
+        return
+    try:
         core.executor.execute(ScheduledBatch(copies=ops))
+    except Exception:
+        core.kv.discard_copies(ops)
+        core._changed()
+        raise

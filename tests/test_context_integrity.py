@@ -592,3 +592,58 @@ def test_a_context_on_both_tiers_exports_block_by_block() -> None:
     joined = _join_blocks(ex.kv_shape, [(ex.read_blocks("device", [0, 1]), 2), (ex.read_blocks("host", [2]), 1)])
     ex.write_blocks("device", [5, 6, 7], joined)
     assert [ex.read_blocks("device", [b]) for b in (5, 6, 7)] == [bytes([f]) * nb for f in (1, 2, 3)]
+
+
+def _fail_copy_only_steps(batch: ScheduledBatch) -> None:
+    if batch.copies and not batch.seqs:  # the flush of an export or import, not a step
+        raise RuntimeError("device error (simulated)")
+
+
+def test_an_export_whose_copy_flush_fails_leaves_no_context_on_unwritten_blocks() -> None:
+    """Pending reloads (a Prefetch) are flushed by the export; if that fails, the context lets go of the
+    blocks they were to fill, as after a failed step, and its next turn recomputes them."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, cold_prefill_budget_tokens=64, warm_threshold_tokens=8)
+    core, ex, _ = make_core(dev=8, host=8, cfg=cfg)
+    a1 = [(7 * i + 3) % VOCAB for i in range(16)]
+    core.submit(a1, 1, session_id="A")
+    core.run_until_idle()
+    core.submit([(11 * i + 5) % VOCAB for i in range(28)], 1, session_id="B", program_id="pb")
+    core.run_until_idle()
+    a = core.kv.sessions["A"]
+    assert a.host_block_ids, "A must have been offloaded for this test"
+    core.kv.release_program("pb")
+    core.kv.set_prefetch(a, 0.0)
+    core.kv.tick()
+    assert any(op.kind == "h2d" for op in core.kv.pending_copies)
+    ex.before_execute = _fail_copy_only_steps
+    with pytest.raises(RuntimeError, match="simulated"):
+        core.export_context("A")
+    ex.before_execute = None
+    assert core.kv.pending_copies == []
+    deep_check(core, ex)
+    core.submit([*a1, 1, 2, 3, 4, 5], 1, session_id="A")
+    core.run_until_idle()
+    assert ex.errors == []
+
+
+def test_an_import_whose_copy_flush_fails_leaks_nothing() -> None:
+    """The offloads an import's allocation caused fail to run: the blocks taken for the import go back,
+    no half-made session is left (RUNNING with no blocks could never run a turn), invariants hold."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, cold_prefill_budget_tokens=64, warm_threshold_tokens=8)
+    src, _, _ = make_core(dev=8, host=8, cfg=cfg)
+    src.submit([(5 * i + 1) % VOCAB for i in range(16)], 1, session_id="X")
+    src.run_until_idle()
+    blob = src.export_context("X")
+    core, ex, _ = make_core(dev=8, host=8, cfg=cfg)
+    core.submit([(7 * i + 3) % VOCAB for i in range(24)], 1, session_id="A")  # A holds 7 of 8 blocks
+    core.run_until_idle()
+    free_before = core.kv.device.num_free_blocks
+    ex.before_execute = _fail_copy_only_steps
+    with pytest.raises(RuntimeError, match="simulated"):
+        core.import_context(blob)
+    ex.before_execute = None
+    assert blob.session_id not in core.kv.sessions
+    assert core.kv.device.num_free_blocks >= free_before
+    deep_check(core, ex)
+    core.import_context(blob)  # and the node still takes it once the device works
+    deep_check(core, ex)
