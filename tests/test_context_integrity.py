@@ -29,6 +29,7 @@ from engine_adapter._scheduler import SchedulerConfig
 from engine_adapter._session import SessionState
 from engine_adapter._torch_executor import make_torch_executor
 from hints import EvictionOrder, NextUse, Pin, Prefetch, Priority, Release, cache_state_to_proto
+from tests.engine_support import release_everything
 
 Tier = Literal["device", "host"]
 VOCAB = 500
@@ -163,18 +164,6 @@ def deep_check(core: EngineCore, ex: TrackingExecutor) -> None:
             and (s.session_id, s.pin_seq) not in scheduled
         ), f"{s.session_id}: parked with a lease to {s.pin_deadline_s} (now {kv.clock.now()}) but no expiry scheduled"
     assert not ex.errors, f"executor saw wrong cached KV: {ex.errors[:3]}"
-
-
-def release_everything(core: EngineCore) -> None:
-    """Release every program, free what is left, and check that every block came back."""
-    core.apply_hints([Release(program_id=p) for p in sorted(core.kv.programs)])
-    for s in list(core.kv.sessions.values()):
-        core.kv.free_session(s)
-    core.check_invariants()
-    kv = core.kv
-    assert kv.device.num_free_blocks == kv.device.num_blocks
-    assert kv.host.num_free_blocks == kv.host.num_blocks
-    assert kv.num_pinned_blocks == 0
 
 
 # ---- randomized operations ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from engine_adapter._scheduler import SchedulerConfig
 from engine_adapter._session import SessionState
 from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig, make_torch_executor
 from hints import EvictionOrder, NextUse, Pin, Prefetch, Priority, Release
+from tests.engine_support import release_everything
 
 VOCAB = TorchModelConfig().vocab_size
 # The model computes in float64 and hands out float32 logits: the paged and full forwards agreed exactly
@@ -106,17 +107,6 @@ def token_errors(ex: LogitsTorchExecutor, req: Request, toks: list[int]) -> list
                 f"max |logit diff| {diff:.3g}"
             )
     return errors
-
-
-def release_everything(core: EngineCore) -> None:
-    core.apply_hints([Release(program_id=p) for p in sorted(core.kv.programs)])
-    for s in list(core.kv.sessions.values()):
-        core.kv.free_session(s)
-    core.check_invariants()
-    kv = core.kv
-    assert kv.device.num_free_blocks == kv.device.num_blocks
-    assert kv.host.num_free_blocks == kv.host.num_blocks
-    assert kv.num_pinned_blocks == 0
 
 
 class TwoNodeFuzz:

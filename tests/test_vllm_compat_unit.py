@@ -307,6 +307,15 @@ def vllm_env() -> tuple[str, dict[str, str]]:
     return python, {**os.environ, "PYTHONPATH": pythonpath}
 
 
+def _run_in_vllm(vllm_env: tuple[str, dict[str, str]], code: str) -> dict[str, str]:
+    """Run ``code`` with the vLLM venv's Python; its last stdout line is a JSON object of outcomes."""
+    python, env = vllm_env
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, str] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
 @pytest.mark.slow
 def test_the_installed_vllm_passes_the_check(vllm_env: tuple[str, dict[str, str]]) -> None:
     python, env = vllm_env
@@ -317,10 +326,7 @@ def test_the_installed_vllm_passes_the_check(vllm_env: tuple[str, dict[str, str]
 def test_the_scheduler_fails_at_construction_once_vllm_lacks_an_internal(
     vllm_env: tuple[str, dict[str, str]],
 ) -> None:
-    python, env = vllm_env
-    r = subprocess.run([python, "-c", _MUTATE], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _run_in_vllm(vllm_env, _MUTATE)
     assert out["intact"].startswith("passed: ") and out["async_intact"].startswith("passed: ")
     assert "AsyncScheduler._free_request_blocks" in out["sync_class"]
     for case, name in (
@@ -335,10 +341,7 @@ def test_the_scheduler_fails_at_construction_once_vllm_lacks_an_internal(
 def test_the_host_tier_and_the_scheduler_module_fail_naming_what_vllm_lacks(
     vllm_env: tuple[str, dict[str, str]],
 ) -> None:
-    python, env = vllm_env
-    r = subprocess.run([python, "-c", _HOST_TIER_MUTATE], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _run_in_vllm(vllm_env, _HOST_TIER_MUTATE)
     assert "vllm.v1.core.sched.async_scheduler.AsyncScheduler (the class)" in out["moved"], out["moved"]
     assert out["moved"].startswith("hintflow's vLLM scheduler cannot run")
     assert out["intact"].startswith("passed: ")
