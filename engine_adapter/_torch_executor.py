@@ -225,9 +225,9 @@ class TorchExecutor(BatchChecker):
         if dec_rows:
             c = max(dec_lens)
             width = -(-c // bs)  # a table may list more blocks than its context fills (reserved ones)
-            table = torch.zeros(len(dec_rows), width, dtype=torch.long)
-            for i, blocks in enumerate(dec_tables):
-                table[i, : min(len(blocks), width)] = torch.tensor(blocks[:width])
+            table = torch.tensor(
+                [b[:width] + [0] * (width - len(b[:width])) for b in dec_tables], dtype=torch.long
+            )
             p = torch.arange(c)
             valid = p[None, :] < torch.tensor(dec_lens)[:, None]
             # Padding reads the sequence's own first slot and is masked out.  Not a shared slot such as 0: a
