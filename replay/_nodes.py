@@ -91,6 +91,7 @@ class SimNode:
     num_step_tokens: int = 0  # tokens the executor ran forward (prefill chunks and decodes)
     poll_s: float = 0.05
     pinned_token_s: float = 0.0  # integral of pinned tokens over virtual time
+    last_schedule_s: float = -1.0  # when the scheduler last ran (a request queued before it was passed over)
     _last_account_s: float = 0.0
     _last_pinned_tokens: int = 0
     finished: list[Request] = field(default_factory=list)
@@ -120,7 +121,7 @@ class SimNode:
     def _start(self, schedule: Schedule, on_step_end: Callable[[SimNode], None]) -> None:
         eng = self.engine
         batch = eng.scheduler.schedule()
-        now = eng.clock.now()
+        now = self.last_schedule_s = eng.clock.now()
         self.account(now)
         if batch.is_empty():  # queued work that cannot be admitted yet (memory held by pins): poll,
             self.num_blocked_polls += 1  # as the serving loop does when idle with work waiting

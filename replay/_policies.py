@@ -21,6 +21,10 @@ what differs is only what the paper behind it changes.  Why each field exists:
 * ``thunderagent_controller``: ThunderAgent's pause/restore loop (``replay/_thunder.py``).
 * ``ttft_deadline``: the replay's ``--ttft-deadline`` (``SchedulerConfig.ttft_deadline_s``) applies to its
   nodes; an option of hintflow's engine, off unless asked for.
+* ``migrate``: a turn queued for device memory while another node has room for it moves there with its
+  context (copied at the host copy rate, ``replay/_migration.py``), and a session the router moves takes
+  its context along instead of recomputing it.  hintflow's rebalancing; no baseline's paper moves KV
+  between nodes (ThunderAgent restores a paused program onto any node by recomputing it).
 * ``clairvoyant``: every turn is submitted with its program's true remaining work from the trace as its
   engine priority (shortest remaining program first).  No deployable policy knows that; the row shows what
   perfect knowledge of every program's future would buy with the same memory, which bounds what better
@@ -64,6 +68,7 @@ class ReplayConfig:
     thunderagent_controller: bool = False
     ttft_deadline: bool = False  # the replay's --ttft-deadline applies (hintflow's engine option)
     clairvoyant: bool = False  # priority = the program's true remaining work (an analysis row, not a policy)
+    migrate: bool = False  # move a queued turn's context to a node with room (``_migration.py``)
     description: str = ""
     # A variant's (``--variant``) options: the hint policy's (``orchestrator.POLICY_OPTIONS``) and the
     # nodes' ``SchedulerConfig`` fields, each as (key, value) pairs in the order given.
@@ -100,12 +105,13 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
         ),
         ReplayConfig(
             "hintflow", "hintflow", "hintflow", retain_contexts=True, eviction_policy="hinted",
-            host_tier=True, cold_prefill_cap=True, ttft_deadline=True,
-            description="ours: pins, predicted-pause eviction order, priority, release, cost routing, host tier",
+            host_tier=True, cold_prefill_cap=True, ttft_deadline=True, migrate=True,
+            description="ours: pins, predicted-pause eviction order, priority, release, cost routing, host tier, "
+                        "queued turns' contexts moved to a node with room",
         ),
         ReplayConfig(
             "clairvoyant", "hintflow", "hintflow", retain_contexts=True, eviction_policy="hinted",
-            host_tier=True, cold_prefill_cap=True, ttft_deadline=True, clairvoyant=True,
+            host_tier=True, cold_prefill_cap=True, ttft_deadline=True, clairvoyant=True, migrate=True,
             description="analysis, not a policy: hintflow with every program's true remaining work from the "
                         "trace as its priority (shortest remaining program first), on the same memory",
         ),

@@ -52,10 +52,10 @@ def metrics(result: SimResult) -> dict[str, Any]:
     output = sum(t.output_tokens for t in turns)
     hits = sum(t.hit_tokens for t in turns)
     across = sum(t.across_hit_tokens for t in turns)
-    moves = 0
+    moves = 0  # a migrated turn also runs on another node, but took its context along
     last_node: dict[str, str] = {}
     for t in sorted(turns, key=lambda t: t.ready_s):
-        moves += int(last_node.setdefault(t.session_key, t.node) != t.node)
+        moves += int(last_node.setdefault(t.session_key, t.node) != t.node and not t.migrated_tokens)
         last_node[t.session_key] = t.node
     stats = [n.kv_stats for n in result.node_totals]
     m: dict[str, Any] = {
@@ -76,7 +76,7 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "throughput_tokens_per_s": _ratio(output, result.makespan_s),
         "prompt_throughput_tokens_per_s": _ratio(prompt, result.makespan_s),
         "pinned_token_seconds": sum(n.pinned_token_s for n in result.node_totals),
-        "migrations": 0,  # no context is moved between nodes yet (export/import); see session_moves
+        "migrations": 0,  # contexts copied to another node (the configurations that move them: extra below)
         "session_moves": moves,
         "preemptions": sum(n.num_preemptions for n in result.node_totals),
         "evicted_blocks": sum(s.evicted_blocks for s in stats),
@@ -160,7 +160,7 @@ def render_table(report: dict[str, Any]) -> str:
     """Two markdown tables, times (JCT and TTFT percentiles, queue wait) and work (hits, recomputed tokens,
     throughput, pins, preemptions, moves); times and token counts carry (× vllm-default / × oracle) where
     both ran.  ``session moves``: turns that ran on another node than the session's last turn (its context
-    re-prefilled there); ``migrations``: contexts copied between nodes (none in a replay yet)."""
+    re-prefilled there); ``migrations``: contexts copied to another node with their turn (``_migration.py``)."""
     pols = report["policies"]
     refs = [n for n in ("vllm-default", "oracle") if n in pols]
     lines = _table(pols, refs, _TIMES) + [""] + _table(pols, refs, _WORK)

@@ -29,6 +29,7 @@ class SessionRun:
     prompt: list[int] = field(default_factory=list)  # the prompt of the turn in flight
     node: str = ""
     request: Request | None = None
+    migrated_tokens: int = 0  # context tokens copied in from another node for the turn in flight
     ready_s: float = 0.0  # when the current turn became ready (submit, or entry to ThunderAgent's queue)
     tool: str | None = None
     tool_start_s: float = 0.0
@@ -118,6 +119,7 @@ class TurnRecord:
     history_tokens: int
     recomputed_tokens: int
     preemptions: int
+    migrated_tokens: int = 0  # context copied in from another node while the turn queued (a migration)
 
     @classmethod
     def of(cls, s: SessionRun, req: Request, config: str) -> TurnRecord:
@@ -133,7 +135,7 @@ class TurnRecord:
             s.run.program.program_id, s.key, s.turn_index, s.node, s.ready_s, first_tok,
             req.finished_s or first_tok, first_sched - s.ready_s, first_tok - s.ready_s, len(req.prompt),
             len(req.output), req.num_cached_tokens, req.num_host_hit_tokens, history, recomputed,
-            req.num_preemptions,
+            req.num_preemptions, s.migrated_tokens,
         )
 
     @property

@@ -45,6 +45,7 @@ from orchestrator import (
 )
 from orchestrator._prefill import PrefillEstimator
 from orchestrator._router import Router, RouteRequest
+from replay._migration import Migrator
 from replay._nodes import NodeSpec, NodeTotals, SimNode, build_nodes
 from replay._policies import ReplayConfig
 from replay._prompts import PromptBuilder
@@ -118,6 +119,9 @@ class Simulation:
         self._next_sample_s = 0.0
         self._num_done = 0
         self.controller: Any = None
+        self.migrator: Migrator | None = None
+        if config.migrate and num_nodes > 1:  # a link as fast as the host copy path (see _migration.py)
+            self.migrator = Migrator(self, cm.copy_per_block_s / cm.block_size)
         if config.thunderagent_controller:
             from replay._thunder import ThunderController
 
@@ -163,10 +167,20 @@ class Simulation:
             time.perf_counter() - wall0,
             self.now,
             num_events,
-            extra=({"thunderagent_pauses": self.controller.num_pauses,
-                    "thunderagent_restores": self.controller.num_restores} if self.controller is not None else {}),
+            extra=self._extra(),
             node_totals=[n.totals() for n in self.nodes],
         )
+
+    def _extra(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.controller is not None:
+            extra |= {"thunderagent_pauses": self.controller.num_pauses,
+                      "thunderagent_restores": self.controller.num_restores}
+        if self.migrator is not None:
+            extra |= {"migrations": self.migrator.num_migrations,
+                      "migrated_tokens": self.migrator.num_migrated_tokens,
+                      "failed_migrations": self.migrator.num_failed_imports}
+        return extra
 
     def _sample(self) -> None:
         for n in self.nodes:
@@ -228,6 +242,8 @@ class Simulation:
             n.engine.kv.tick()
             n.account(self.now)
             n.kick(self.now, self.at, self._step_end)
+        if self.migrator is not None:
+            self.migrator.check()
         self._schedule_tick()
 
     # ---- programs ------------------------------------------------------------------------------------
@@ -249,16 +265,34 @@ class Simulation:
                 return
         turn = s.session.turns[s.turn_index]
         prompt = s.next_prompt(self.prompts.new_input(turn, f"{s.key}/{s.turn_index}"))
-        address = node.address if node is not None else self._route(s, prompt, turn)
-        s.node = address
-        target = self.by_address[address]
+        moved_from = None
+        if node is None:
+            address, moved_from = self._route(s, prompt, turn)
+        else:
+            address = node.address
+        s.prompt, s.migrated_tokens = prompt, 0
+        src = self.by_address[moved_from] if moved_from is not None else None
+        if src is not None and self.migrator is not None and self.migrator.holds(src, s.key):
+            self.migrator.move(src, self.by_address[address], s)  # takes the context along
+        else:
+            if src is not None:  # the context stays behind: unpin it there (it is recomputed here)
+                src.engine.apply_hints([Pin(session_id=s.key, ttl_s=0.0)])
+            self.submit_turn(s, self.by_address[address])
+        self.feed(TurnStarted(s.run.program.program_id, s.key, self.now, len(prompt)))
+
+    def submit_turn(self, s: SessionRun, target: SimNode) -> None:
+        """Submit the session's turn in flight (``s.prompt``) to ``target`` and start it stepping."""
+        turn = s.session.turns[s.turn_index]
+        s.node = target.address
         s.request = target.engine.submit(
-            prompt, max(1, turn.output_tokens), session_id=s.key, program_id=s.run.program.program_id,
+            s.prompt, max(1, turn.output_tokens), session_id=s.key, program_id=s.run.program.program_id,
             priority=self._remaining_work_ms(s.run) if self.config.clairvoyant else None,
         )
-        s.prompt = prompt
-        target.kick(self.now, self.at, self._step_end)
-        self.feed(TurnStarted(s.run.program.program_id, s.key, self.now, len(prompt)))
+        self.kick(target)
+
+    def kick(self, node: SimNode) -> None:
+        """Start a step on ``node`` now if it is idle and has work."""
+        node.kick(self.now, self.at, self._step_end)
 
     def _remaining_work_ms(self, run: ProgramRun) -> int:
         """The program's true remaining work from the trace, for the ``clairvoyant`` row: what is left of its
@@ -272,9 +306,10 @@ class Simulation:
                             + t.tool_duration_s)
         return round(1000 * total_s)
 
-    def _route(self, s: SessionRun, prompt: list[int], turn: Any) -> str:
+    def _route(self, s: SessionRun, prompt: list[int], turn: Any) -> tuple[str, str | None]:
+        """(node for the turn, the node the session leaves or None)."""
         if len(self.nodes) == 1:
-            return self.nodes[0].address
+            return self.nodes[0].address, None
         if self.now - self._routed_s >= self.watch_interval_s:  # the live watch stream's period
             for n in self.nodes:
                 self.router.update(n.address, n.engine.cache_state(include_sessions=True), self.now)
@@ -287,10 +322,8 @@ class Simulation:
             cached_tokens=cached,
         )
         decision = self.router.choose(req, self.now)
-        if decision.moved_from is not None:
-            self.by_address[decision.moved_from].engine.apply_hints([Pin(session_id=s.key, ttl_s=0.0)])
         self.router.started(decision.address, req)
-        return decision.address
+        return decision.address, decision.moved_from
 
     @staticmethod
     def _cached_prefix_tokens(node: SimNode, session_id: str, prompt: list[int]) -> int:
@@ -307,6 +340,8 @@ class Simulation:
         for req in done:
             self._turn_finished(node, req)
         node.kick(self.now, self.at, self._step_end)
+        if self.migrator is not None:
+            self.migrator.check()
 
     def _turn_finished(self, node: SimNode, req: Request) -> None:
         s = self.live[req.session.session_id]

@@ -126,7 +126,7 @@ def test_clairvoyant_row_submits_each_turn_with_its_program_s_true_remaining_wor
         turns = p.sessions[0].turns
         first_s = sum(cm.prefill_time(t.input_tokens) + t.output_tokens * cm.decode_time(1, 0) + t.tool_duration_s
                       for t in turns)
-        got = seen[p.program_id]
+        got = [k for k, _ in itertools.groupby(seen[p.program_id])]  # a migrated turn is submitted again
         assert len(got) == len(turns) and got[0] == round(1000 * first_s)
         assert all(a is not None and b is not None and a > b for a, b in itertools.pairwise(got))
     seen.clear()

@@ -1,0 +1,140 @@
+"""Moving a queued turn's context to a node with room: hintflow's rebalancing between nodes.
+
+Why: with a host tier every keep-context design keeps every context, and what is left between them and the
+oracle is queueing for device memory (``scripts/queue_anatomy.py``).  A turn queues on its session's node
+while the running turns there hold the memory it needs, and sometimes the other node has the room right
+then.  Re-prefilling the context there (a router move) costs compute every queued turn on that node pays
+for; copying it costs a transfer over the interconnect, about a reload's price.  So, after each step::
+
+    node A: waiting [t1 t2 ...]      t1 never admitted, has waited at least its own transfer time
+    node B: waiting []               room = device - what B's running turns need to finish - inbound moves
+                                     room >= what t1 needs to finish  ->  move t1 to B
+
+    A: abort t1 (not a turn's end), ExportContext(release_after)   B: after transfer_s, ImportContext, submit
+
+The turn keeps its ``ready_s``, so its TTFT and queue wait include the time it queued on A and the
+transfer.  It is counted as a migration, not a session move (the router's moves re-prefill).  Each step of
+this is the live engine's own API (``abort``, ``export_context``, ``import_context``, ``Priority``), the
+path a live rebalancer takes; the live runtime does not move contexts yet (the migration issue).
+
+Rent-or-buy: a turn moves only after waiting as long as its transfer takes, so a turn that its own node
+admits within that time never pays for one.  The link's rate is ``per_token_s`` (by default the cost
+model's host copy rate: a GPU-direct RDMA NIC of 400 Gb/s moves KV at least as fast as the PCIe path).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from engine_adapter._context_transfer import ContextData
+from engine_adapter._engine_errors import EngineError
+from engine_adapter._scheduler import Request
+from engine_adapter._session import SessionState
+from hints import Priority
+from orchestrator._router import RouteRequest
+from replay._nodes import SimNode
+from replay._runs import SessionRun
+
+if TYPE_CHECKING:
+    from replay._sim import Simulation
+
+__all__ = ["Migrator"]
+
+
+class Migrator:
+    """Finds queued turns that another node can run now and moves their contexts there."""
+
+    lookahead = 4  # waiting turns looked at per node and check (the queue's head is what waits longest)
+
+    def __init__(self, sim: Simulation, per_token_s: float) -> None:
+        if not (math.isfinite(per_token_s) and per_token_s >= 0.0):
+            raise ValueError(f"migration per_token_s must be finite and >= 0, got {per_token_s}")
+        self.sim, self.per_token_s = sim, per_token_s
+        self._inbound: dict[str, int] = {n.address: 0 for n in sim.nodes}  # blocks promised to moves in flight
+        self.num_migrations = 0
+        self.num_migrated_tokens = 0
+        self.num_failed_imports = 0
+
+    def check(self) -> None:
+        """Move what can move now (cheap when no node has a queue or every node has one)."""
+        nodes = self.sim.nodes
+        open_nodes = [n for n in nodes if not n.engine.scheduler.waiting]
+        if not open_nodes or len(open_nodes) == len(nodes):
+            return
+        now = self.sim.now
+        for src in nodes:
+            waiting = src.engine.scheduler.waiting
+            for req in list(waiting[: self.lookahead]):
+                if req.admitted or req.output:  # admitted once (preempted since): its work is here
+                    continue
+                if src.last_schedule_s <= req.arrival_s:  # its node has not looked at it yet
+                    continue
+                ctx_tokens = req.session.num_device_tokens + req.session.num_host_tokens
+                if now - req.arrival_s < ctx_tokens * self.per_token_s:
+                    continue
+                need = self._blocks(src, len(req.prompt) + req.max_new_tokens)
+                dst = max((n for n in open_nodes if n is not src), key=self._room, default=None)
+                if dst is not None and self._room(dst) >= need:
+                    self.move(src, dst, self.sim.live[req.session.session_id], queued=req)
+
+    def _blocks(self, node: SimNode, num_tokens: int) -> int:
+        return -(-num_tokens // node.block_size)
+
+    def _room(self, node: SimNode) -> int:
+        """Blocks a moved turn can count on: the device less what the running turns need to finish (their
+        whole prompt and output), the pinned blocks and what moves in flight were promised."""
+        kv = node.engine.kv
+        held = sum(self._blocks(node, len(r.prompt) + r.max_new_tokens) for r in node.engine.scheduler.running)
+        return kv.device.num_blocks - held - kv.num_pinned_blocks - self._inbound[node.address]
+
+    def holds(self, node: SimNode, session_id: str) -> bool:
+        """Whether ``node`` has a parked context of the session to move."""
+        s = node.engine.kv.sessions.get(session_id)
+        return s is not None and s.state is SessionState.PARKED and bool(s.num_device_tokens + s.num_host_tokens)
+
+    def move(self, src: SimNode, dst: SimNode, s: SessionRun, queued: Request | None = None) -> None:
+        """Copy the session's context from ``src`` to ``dst`` and submit its turn there on arrival: a turn
+        ``queued`` on ``src`` (aborted there first), or one about to start that the router sent to ``dst``."""
+        sim = self.sim
+        if queued is not None:
+            src.engine.abort(queued.request_id)
+            src.finished.remove(queued)  # an abort reports a finish; this one is not the turn's end
+        session = src.engine.kv.sessions[s.key]
+        age_s = max(0.0, sim.now - session.program_start_s) if session.program_start_s is not None else 0.0
+        priority = Priority(session_id=s.key, program_id=session.program_id, program_age_s=age_s,
+                            priority_class=session.priority_class)
+        # Copy, and let go of the source's copy only once the import took (a copy that finds no room on
+        # arrival leaves the turn where its context still is, as a live two-phase move would).
+        blob = src.engine.export_context(s.key)
+        need = self._blocks(dst, len(s.prompt) + s.session.turns[s.turn_index].output_tokens)
+        self._inbound[dst.address] += need
+        transfer_s = len(blob.token_ids) * self.per_token_s
+        sim.at(sim.now + transfer_s, lambda: self._arrive(src, dst, s, blob, priority, need))
+        sim.kick(src)
+
+    def _arrive(
+        self, src: SimNode, dst: SimNode, s: SessionRun, blob: ContextData, priority: Priority, need: int
+    ) -> None:
+        sim = self.sim
+        self._inbound[dst.address] -= need
+        try:
+            dst.engine.import_context(blob)
+        except EngineError:  # no room after all (its free blocks went meanwhile): back in the source's queue
+            self.num_failed_imports += 1
+            target = src
+        else:
+            src.engine.kv.free_session(src.engine.kv.sessions[s.key])
+            self.num_migrations += 1
+            self.num_migrated_tokens += len(blob.token_ids)
+            s.migrated_tokens = len(blob.token_ids)
+            target = dst
+        sim.router.started(target.address, _route_request(s))  # the session's home from now on
+        sim.submit_turn(s, target)
+        target.engine.apply_hints([priority])
+
+
+def _route_request(s: SessionRun) -> RouteRequest:
+    turn = s.session.turns[s.turn_index]
+    return RouteRequest(s.key, s.run.program.program_id, len(s.prompt), turn.shared_prefix,
+                        turn.shared_prefix_tokens)

@@ -1,0 +1,129 @@
+"""Moving queued turns' contexts between nodes in the replay (``replay/_migration.py``): the turn runs on the
+other node from the context it copied there (nothing recomputed), a copy that finds no room leaves the turn
+where its context still is, and no block is lost or counted twice on either path."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from engine_adapter._engine import EngineCore
+from engine_adapter._engine_errors import ResourceExhausted
+from replay import Program, ReplaySetup, generate, get_replay_config, report_json, run_replay
+from replay._migration import Migrator
+from replay._sim import SimResult, Simulation
+
+
+def _programs(n: int = 24) -> list[Program]:
+    return generate("swe-agent", seed=3, num_programs=n, rate=4.0, scale=0.05)
+
+
+def _setup() -> ReplaySetup:
+    return ReplaySetup(block_size=16, num_nodes=2)
+
+
+def _check_nodes_empty(result: SimResult) -> None:
+    """Every block back, nothing pinned, no session left, no work: after a replay every program released."""
+    for node in result.nodes:
+        node.engine.check_invariants()
+        kv = node.engine.kv
+        assert kv.device.num_free_blocks == kv.device.num_blocks, node.address
+        assert kv.host.num_free_blocks == kv.host.num_blocks, node.address
+        assert kv.num_pinned_blocks == 0
+        assert not kv.sessions, list(kv.sessions)[:3]
+        assert not node.engine.scheduler.has_work()
+
+
+class _Moves:
+    """Records each call of ``Migrator.move``: (turn queued on its node, or one the router moved; tokens)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[bool, str, int]] = []
+        self.turns: list[tuple[str, int]] = []
+        self.num_left_behind = 0
+        move, arrive = Migrator.move, Migrator._arrive
+
+        def spy(m: Migrator, src, dst, s, queued=None):  # type: ignore[no-untyped-def]
+            held = src.engine.kv.sessions[s.key]
+            self.calls.append((queued is not None, s.key, held.num_device_tokens + held.num_host_tokens))
+            self.turns.append((s.key, s.turn_index))
+            return move(m, src, dst, s, queued)
+
+        def arrived(m: Migrator, src, dst, s, *args):  # type: ignore[no-untyped-def]
+            arrive(m, src, dst, s, *args)
+            if s.node == dst.address:  # it took: the source let go of its copy (no block counted twice)
+                self.num_left_behind += s.key in src.engine.kv.sessions
+
+        monkeypatch.setattr(Migrator, "move", spy)
+        monkeypatch.setattr(Migrator, "_arrive", arrived)
+
+
+def test_queued_turns_move_with_their_context_and_recompute_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    moves = _Moves(monkeypatch)
+    programs = _programs()
+    setup, (result,) = run_replay(_setup(), [get_replay_config("hintflow")], programs=programs)
+    m = report_json(setup, [result])["policies"]["hintflow"]
+    # (both paths ran: turns queued on a full node, and sessions the router sent elsewhere at turn start)
+    assert any(queued for queued, _, _ in moves.calls) and not all(queued for queued, _, _ in moves.calls)
+    assert m["migrations"] > 0 and m["failed_migrations"] == 0
+    assert m["migrations"] == len(moves.calls)  # every copy arrived and was counted once
+    assert m["migrated_tokens"] == sum(n for _, _, n in moves.calls) > 0
+    moved = [t for t in result.turns if t.migrated_tokens]
+    assert moved and all(t.recomputed_tokens == 0 for t in moved)
+    # The copied context is what the turn found: its history came from the import, on the new node.
+    assert all(t.hit_tokens >= t.migrated_tokens and t.across_hit_tokens == t.history_tokens for t in moved)
+    assert m["recomputed_tokens"] == 0 and m["session_moves"] == 0
+    assert moves.num_left_behind == 0
+    # A moved turn is not moved on before its new node has looked at it (no ping-pong between nodes).
+    assert max(moves.turns.count(k) for k in set(moves.turns)) <= 2
+    assert sum(1 for p in programs for s in p.sessions for _ in s.turns) == len(result.turns)
+    _check_nodes_empty(result)
+
+
+def test_without_migration_nothing_moves_and_the_same_programs_finish() -> None:
+    off = dataclasses.replace(get_replay_config("hintflow"), name="static", migrate=False)
+    setup, (result,) = run_replay(_setup(), [off], programs=_programs())
+    m = report_json(setup, [result])["policies"]["static"]
+    assert m["migrations"] == 0 and "failed_migrations" not in m
+    assert all(t.migrated_tokens == 0 for t in result.turns)
+    _check_nodes_empty(result)
+
+
+def test_a_copy_that_finds_no_room_leaves_the_turn_where_its_context_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every import fails (as when the destination's free blocks went while the copy was on the wire): the
+    turn goes back to its own node's queue and finds its context there, which was never let go of."""
+    moves = _Moves(monkeypatch)
+
+    def full(self: EngineCore, blob) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+        raise ResourceExhausted(f"no room for {len(blob.token_ids)} tokens on node {self.node_id}")
+
+    monkeypatch.setattr(EngineCore, "import_context", full)
+    setup, (result,) = run_replay(_setup(), [get_replay_config("hintflow")], programs=_programs())
+    m = report_json(setup, [result])["policies"]["hintflow"]
+    assert moves.calls and m["failed_migrations"] == len(moves.calls)
+    assert m["migrations"] == 0 and m["migrated_tokens"] == 0
+    assert m["recomputed_tokens"] == 0 and m["across_turn_hit_rate"] == 1.0
+    _check_nodes_empty(result)
+
+
+def test_replays_with_migrations_are_deterministic() -> None:
+    one = report_json(*run_replay(_setup(), [get_replay_config("hintflow")], programs=_programs()))
+    two = report_json(*run_replay(_setup(), [get_replay_config("hintflow")], programs=_programs()))
+    for r in (one, two):
+        r["policies"]["hintflow"].pop("wall_s")
+    assert one["policies"]["hintflow"]["migrations"] > 0
+    assert json.dumps(one, sort_keys=True) == json.dumps(two, sort_keys=True)
+
+
+def test_migration_rate_must_be_a_duration() -> None:
+    setup = _setup().with_defaults()
+    programs = _programs(2)
+    cm = setup.cost()
+    setup = setup.resolve(programs, cm)
+    spec = setup.node_spec(cm, infinite_kv=False, programs=programs)
+    sim = Simulation(programs, get_replay_config("hintflow"), spec)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="per_token_s must be finite and >= 0"):
+            Migrator(sim, bad)
