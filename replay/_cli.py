@@ -91,6 +91,9 @@ def writable_parent(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--ttft-deadline", "ttft_deadline_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="hintflow's nodes: a request that has waited this long goes ahead of pins and program "
                    "order (SchedulerConfig.ttft_deadline_s) [off]")
+@click.option("--link-gb-per-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="the network between nodes, for the policies that move contexts (hintflow): GB/s, "
+                   "priced with the cost model's KV bytes per token [the cost model's host copy rate]")
 @click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
               help="multiply every token count [workload default: 0.25 for swe-agent, else 1; with "
                    "--executor torch 0.05 for swe-agent, 0.2 for multi-agent and human-in-loop]")
@@ -112,7 +115,8 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
                    num_nodes: int, executor: str,
                    rate: float | None, num_programs: int | None, kv_capacity_tokens: int | None,
                    host_capacity_tokens: int | None, cost_model: str | None, block_size: int | None, seed: int,
-                   ttft_deadline_s: float | None, scale: float | None, json_out: str | None,
+                   ttft_deadline_s: float | None, link_gb_per_s: float | None, scale: float | None,
+                   json_out: str | None,
                    plots_dir: str | None, progress: bool, jobs: int | None, vllm_python: str | None,
                    vllm_model: str | None, state_dir: str | None) -> None:
     """Replay an agent workload under each policy and print the side-by-side table."""
@@ -150,7 +154,7 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
     setup = ReplaySetup(workload=workload, num_programs=num_programs, rate=rate, num_nodes=num_nodes,
                         kv_capacity_tokens=kv_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
                         cost_model=cost_model, seed=seed, scale=scale, block_size=block_size, executor=executor,
-                        ttft_deadline_s=ttft_deadline_s)
+                        ttft_deadline_s=ttft_deadline_s, link_gb_per_s=link_gb_per_s)
     t0 = time.perf_counter()
     try:
         if jobs is None:

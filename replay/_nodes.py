@@ -58,6 +58,7 @@ class NodeSpec:
     executor: str = "modeled"  # "modeled": steps priced by cost_model; "torch": computed and timed
     torch_device: str = "cpu"  # where torch nodes compute (cpu-tiny describes this machine's CPU)
     ttft_deadline_s: float | None = None  # for the configs that take it (ReplayConfig.ttft_deadline)
+    link_s_per_token: float | None = None  # moving KV between nodes (ReplayConfig.migrate); None: host copy rate
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ def report_json(setup: ReplaySetup, results: Sequence[SimResult]) -> dict[str, A
     # the coefficients the steps were priced with, so a report stays readable when a profile changes
     # (offload_overlaps_compute changed the GPU profiles' figures at commit 2d0e1bc)
     config["cost_model_coefficients"] = setup.cost().model_dump(exclude={"source", "fit"})
+    config["link_s_per_token"] = setup.link_s_per_token(setup.cost())  # what a migration's copy took per token
     config["policy_configs"] = {r.config.name: dataclasses.asdict(r.config) for r in results}
     return {"policies": {r.config.name: metrics(r) for r in results}, "config": config}
 

@@ -20,6 +20,7 @@ Two executors compute the nodes' steps (``NodeSpec.executor``):
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -84,12 +85,25 @@ class ReplaySetup:
     executor: str = "modeled"  # "modeled" or "torch" (see the module docstring)
     ttft_deadline_s: float | None = None  # hintflow's nodes: SchedulerConfig.ttft_deadline_s (off)
     torch_threads: int = 1  # torch intra-op threads while torch nodes run (cpu-tiny was fitted on 1)
+    link_gb_per_s: float | None = None  # between nodes, for migrations (GB/s); None: the host copy rate
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if self.link_gb_per_s is not None and not (math.isfinite(self.link_gb_per_s) and self.link_gb_per_s > 0):
+            raise ValueError(f"link_gb_per_s must be a positive number of GB/s, got {self.link_gb_per_s}")
+
+    def link_s_per_token(self, cost_model: CostModel) -> float:
+        """Seconds to move one token's KV between nodes: ``link_gb_per_s`` over the cost model's KV bytes per
+        token, or by default the model's host copy rate (a GPU-direct RDMA NIC moves KV about as fast)."""
+        if self.link_gb_per_s is None:
+            return cost_model.copy_per_block_s / cost_model.block_size
+        if cost_model.kv_bytes_per_token is None:
+            raise ValueError(f"cost model {cost_model.name!r} gives no kv_bytes_per_token, so a link rate in "
+                             "GB/s cannot price a migration; leave the link rate unset")
+        return cost_model.kv_bytes_per_token / (self.link_gb_per_s * 1e9)
 
     def with_defaults(self) -> ReplaySetup:
         """This setup with every default it will run with written in (so a report shows them)."""
@@ -152,13 +166,15 @@ class ReplaySetup:
         device = self.kv_capacity_tokens
         if infinite_kv:
             device = _peak_held_tokens(programs, cost_model)
+        link = self.link_s_per_token(cost_model)
         if self.executor == "modeled":
-            return NodeSpec(device, self.host_capacity_tokens, cost_model, ttft_deadline_s=self.ttft_deadline_s)
+            return NodeSpec(device, self.host_capacity_tokens, cost_model, ttft_deadline_s=self.ttft_deadline_s,
+                            link_s_per_token=link)
         # the torch model's RoPE tables are max_model_len long: cover the longest request, no more
         bs = cost_model.block_size
         max_len = -(-(longest_request_tokens(programs) + bs) // bs) * bs
         return NodeSpec(device, self.host_capacity_tokens, cost_model, max_model_len=max_len, executor="torch",
-                        ttft_deadline_s=self.ttft_deadline_s)
+                        ttft_deadline_s=self.ttft_deadline_s, link_s_per_token=link)
 
 
 def longest_request_tokens(programs: Sequence[Program]) -> int:

@@ -120,8 +120,9 @@ class Simulation:
         self._num_done = 0
         self.controller: Any = None
         self.migrator: Migrator | None = None
-        if config.migrate and num_nodes > 1:  # a link as fast as the host copy path (see _migration.py)
-            self.migrator = Migrator(self, cm.copy_per_block_s / cm.block_size)
+        if config.migrate and num_nodes > 1:  # by default a link as fast as the host copy path (_migration.py)
+            link = spec.link_s_per_token
+            self.migrator = Migrator(self, cm.copy_per_block_s / cm.block_size if link is None else link)
         if config.thunderagent_controller:
             from replay._thunder import ThunderController
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,36 @@ def test_migration_rate_must_be_a_duration() -> None:
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="per_token_s must be finite and >= 0"):
             Migrator(sim, bad)
+
+
+def test_link_rate_prices_a_migration_by_the_cost_model_s_kv_bytes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    setup = ReplaySetup(block_size=16, num_nodes=2, link_gb_per_s=10.0)
+    cm = setup.cost()
+    assert cm.kv_bytes_per_token == 131072  # (h100-llama3-8b, the modeled default)
+    assert setup.link_s_per_token(cm) == pytest.approx(131072 / 10e9)
+    assert ReplaySetup(block_size=16).link_s_per_token(cm) == pytest.approx(cm.copy_per_block_s / 16)
+    programs = _programs(2)
+    resolved = setup.with_defaults().resolve(programs, cm)
+    sim = Simulation(programs, get_replay_config("hintflow"), resolved.node_spec(cm, infinite_kv=False,
+                                                                                 programs=programs))
+    assert sim.migrator is not None and sim.migrator.per_token_s == pytest.approx(131072 / 10e9)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="link_gb_per_s must be a positive number of GB/s"):
+            ReplaySetup(link_gb_per_s=bad)
+    # A cost model that does not say how many bytes a token's KV is cannot turn GB/s into seconds.
+    profile = json.loads((Path(__file__).parents[1] / "engine_adapter/profiles/h100-llama3-8b.json").read_text())
+    del profile["kv_bytes_per_token"]
+    path = tmp_path / "no-bytes.json"
+    path.write_text(json.dumps(profile))
+    odd = ReplaySetup(block_size=16, cost_model=str(path), link_gb_per_s=10.0)
+    with pytest.raises(ValueError, match="gives no kv_bytes_per_token"):
+        odd.link_s_per_token(odd.cost())
+
+
+def test_cli_rejects_a_link_rate_that_is_not_positive() -> None:
+    from click.testing import CliRunner
+
+    from replay._cli import replay_command
+
+    out = CliRunner().invoke(replay_command, ["--link-gb-per-s", "0", "--no-progress"])
+    assert out.exit_code == 2 and "--link-gb-per-s" in out.output
