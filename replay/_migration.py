@@ -3,23 +3,31 @@
 Why: with a host tier every keep-context design keeps every context, and what is left between them and the
 oracle is queueing for device memory (``scripts/queue_anatomy.py``).  A turn queues on its session's node
 while the running turns there hold the memory it needs, and sometimes the other node has the room right
-then.  Re-prefilling the context there (a router move) costs compute every queued turn on that node pays
-for; copying it costs a transfer over the interconnect, about a reload's price.  So, after each step::
+then.  Re-prefilling the context there (a router move without this) costs compute every turn queued on that
+node pays for; copying it costs a transfer over the interconnect, about a reload's price.  So, after each
+step and policy tick::
 
-    node A: waiting [t1 t2 ...]      t1 never admitted, has waited at least its own transfer time
-    node B: waiting []               room = device - what B's running turns need to finish - inbound moves
+    node A: waiting [t1 t2 ...]      t1 never admitted, passed over by A's scheduler, waited >= its transfer
+    node B: waiting []               room = device - what B's running turns need to finish - pins - inbound
                                      room >= what t1 needs to finish  ->  move t1 to B
 
-    A: abort t1 (not a turn's end), ExportContext(release_after)   B: after transfer_s, ImportContext, submit
+    A: abort t1 (not the turn's end), ExportContext     B: ImportContext now (blocks taken, pinned while
+                                                            the copy is on the wire)
+    after transfer_s: A lets go of its copy; t1 is submitted on B
 
-The turn keeps its ``ready_s``, so its TTFT and queue wait include the time it queued on A and the
-transfer.  It is counted as a migration, not a session move (the router's moves re-prefill).  Each step of
-this is the live engine's own API (``abort``, ``export_context``, ``import_context``, ``Priority``), the
-path a live rebalancer takes; the live runtime does not move contexts yet (the migration issue).
+A session the router sends to another node at turn start takes its context along the same way.  The
+receiver takes its blocks before the copy starts, as an RDMA transfer's receiver does, so a move that finds
+no room fails at once and the turn stays (or is resubmitted) where its context is; the source keeps its copy
+until the transfer is over.  The turn keeps its ``ready_s``, so its TTFT and queue wait include the time it
+queued on A and the transfer.  It counts as a migration, not a session move (those re-prefill).  Each step
+is the live engine's own API (``abort``, ``export_context``, ``import_context``, ``Pin``, ``Priority``), the
+path a live rebalancer would take; the live runtime does not move contexts yet.
 
 Rent-or-buy: a turn moves only after waiting as long as its transfer takes, so a turn that its own node
-admits within that time never pays for one.  The link's rate is ``per_token_s`` (by default the cost
-model's host copy rate: a GPU-direct RDMA NIC of 400 Gb/s moves KV at least as fast as the PCIe path).
+admits within that time never pays for one, and only once its node's scheduler has passed it over (a moved
+turn is not moved on before its new node has looked at it: no ping-pong).  The link's rate is
+``per_token_s`` (``hintflow replay --link-gb-per-s``; by default the cost model's host copy rate: a
+GPU-direct RDMA NIC of 200-400 Gb/s moves KV about as fast as the PCIe path).
 """
 
 from __future__ import annotations
@@ -27,11 +35,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from engine_adapter._context_transfer import ContextData
 from engine_adapter._engine_errors import EngineError
 from engine_adapter._scheduler import Request
 from engine_adapter._session import SessionState
-from hints import Priority
+from hints import Pin, Priority
 from orchestrator._router import RouteRequest
 from replay._nodes import SimNode
 from replay._runs import SessionRun
@@ -94,44 +101,47 @@ class Migrator:
         return s is not None and s.state is SessionState.PARKED and bool(s.num_device_tokens + s.num_host_tokens)
 
     def move(self, src: SimNode, dst: SimNode, s: SessionRun, queued: Request | None = None) -> None:
-        """Copy the session's context from ``src`` to ``dst`` and submit its turn there on arrival: a turn
-        ``queued`` on ``src`` (aborted there first), or one about to start that the router sent to ``dst``."""
+        """Copy the session's context from ``src`` to ``dst`` and submit its turn there once it has arrived: a
+        turn ``queued`` on ``src`` (aborted there first), or one about to start that the router sent to
+        ``dst``.  The receiver takes its blocks first, as an RDMA transfer's receiver does, so a move that
+        finds no room fails at once and the turn stays where its context is."""
         sim = self.sim
         if queued is not None:
             src.engine.abort(queued.request_id)
             src.finished.remove(queued)  # an abort reports a finish; this one is not the turn's end
-        session = src.engine.kv.sessions[s.key]
-        age_s = max(0.0, sim.now - session.program_start_s) if session.program_start_s is not None else 0.0
-        priority = Priority(session_id=s.key, program_id=session.program_id, program_age_s=age_s,
-                            priority_class=session.priority_class)
-        # Copy, and let go of the source's copy only once the import took (a copy that finds no room on
-        # arrival leaves the turn where its context still is, as a live two-phase move would).
+        held = src.engine.kv.sessions[s.key]
+        age_s = max(0.0, sim.now - held.program_start_s) if held.program_start_s is not None else 0.0
+        priority = Priority(session_id=s.key, program_id=held.program_id, program_age_s=age_s,
+                            priority_class=held.priority_class)
         blob = src.engine.export_context(s.key)
-        need = self._blocks(dst, len(s.prompt) + s.session.turns[s.turn_index].output_tokens)
-        self._inbound[dst.address] += need
-        transfer_s = len(blob.token_ids) * self.per_token_s
-        sim.at(sim.now + transfer_s, lambda: self._arrive(src, dst, s, blob, priority, need))
-        sim.kick(src)
-
-    def _arrive(
-        self, src: SimNode, dst: SimNode, s: SessionRun, blob: ContextData, priority: Priority, need: int
-    ) -> None:
-        sim = self.sim
-        self._inbound[dst.address] -= need
         try:
             dst.engine.import_context(blob)
-        except EngineError:  # no room after all (its free blocks went meanwhile): back in the source's queue
+        except EngineError:  # no room there after all: the turn goes on waiting where its context is
             self.num_failed_imports += 1
-            target = src
-        else:
-            src.engine.kv.free_session(src.engine.kv.sessions[s.key])
-            self.num_migrations += 1
-            self.num_migrated_tokens += len(blob.token_ids)
-            s.migrated_tokens = len(blob.token_ids)
-            target = dst
-        sim.router.started(target.address, _route_request(s))  # the session's home from now on
-        sim.submit_turn(s, target)
-        target.engine.apply_hints([priority])
+            sim.router.started(src.address, _route_request(s))
+            sim.submit_turn(s, src)
+            src.engine.apply_hints([priority])
+            return
+        transfer_s = len(blob.token_ids) * self.per_token_s
+        # The blocks are written while the copy is on the wire: keep them from being evicted meanwhile (the
+        # lease holds on past its end once the turn is queued, until admission consumes it).
+        dst.engine.apply_hints([Pin(session_id=s.key, ttl_s=transfer_s, reason="migration in flight")])
+        need = self._blocks(dst, len(s.prompt) + s.session.turns[s.turn_index].output_tokens)
+        self._inbound[dst.address] += need
+        sim.at(sim.now + transfer_s, lambda: self._arrive(src, dst, s, len(blob.token_ids), priority, need))
+        sim.kick(src)
+
+    def _arrive(self, src: SimNode, dst: SimNode, s: SessionRun, num_tokens: int, priority: Priority,
+                need: int) -> None:
+        """The copy is complete: the source lets go of its context, and the turn is submitted on ``dst``."""
+        self._inbound[dst.address] -= need
+        src.engine.kv.free_session(src.engine.kv.sessions[s.key])
+        self.num_migrations += 1
+        self.num_migrated_tokens += num_tokens
+        s.migrated_tokens = num_tokens
+        self.sim.router.started(dst.address, _route_request(s))  # the session's home from now on
+        self.sim.submit_turn(s, dst)
+        dst.engine.apply_hints([priority])
 
 
 def _route_request(s: SessionRun) -> RouteRequest:

@@ -44,13 +44,21 @@ class _Moves:
         self.calls: list[tuple[bool, str, int]] = []
         self.turns: list[tuple[str, int]] = []
         self.num_left_behind = 0
+        self.num_in_flight = self.num_unleased_in_flight = 0
+        self.num_in_flight_blocks = self.num_pinned_in_flight_blocks = 0
         move, arrive = Migrator.move, Migrator._arrive
 
         def spy(m: Migrator, src, dst, s, queued=None):  # type: ignore[no-untyped-def]
             held = src.engine.kv.sessions[s.key]
             self.calls.append((queued is not None, s.key, held.num_device_tokens + held.num_host_tokens))
             self.turns.append((s.key, s.turn_index))
-            return move(m, src, dst, s, queued)
+            move(m, src, dst, s, queued)
+            copy = dst.engine.kv.sessions.get(s.key)
+            if s.node != dst.address and copy is not None:  # in flight: its blocks are being written
+                self.num_in_flight += 1
+                self.num_unleased_in_flight += copy.pin_deadline_s is None
+                self.num_in_flight_blocks += len(copy.block_ids)
+                self.num_pinned_in_flight_blocks += copy.pinned_blocks
 
         def arrived(m: Migrator, src, dst, s, *args):  # type: ignore[no-untyped-def]
             arrive(m, src, dst, s, *args)
@@ -77,6 +85,9 @@ def test_queued_turns_move_with_their_context_and_recompute_nothing(monkeypatch:
     assert all(t.hit_tokens >= t.migrated_tokens and t.across_hit_tokens == t.history_tokens for t in moved)
     assert m["recomputed_tokens"] == 0 and m["session_moves"] == 0
     assert moves.num_left_behind == 0
+    # A copy on the wire is pinned on its new node (within the node's pin budget, as every lease is).
+    assert moves.num_in_flight > 0 and moves.num_unleased_in_flight == 0
+    assert moves.num_pinned_in_flight_blocks >= 0.8 * moves.num_in_flight_blocks > 0
     # A moved turn is not moved on before its new node has looked at it (no ping-pong between nodes).
     assert max(moves.turns.count(k) for k in set(moves.turns)) <= 2
     assert sum(1 for p in programs for s in p.sessions for _ in s.turns) == len(result.turns)
