@@ -96,9 +96,12 @@ class ModeledExecutor(BatchChecker):
         return StepOutput(sampled=sampled, elapsed_s=self.cost_model.step_time(batch))
 
     def _sample(self, seq: ScheduledSeq) -> int:
-        """A pseudo-random token that depends only on (seed, request, position): replays are identical."""
-        pos = seq.start_pos + len(seq.token_ids)
-        digest = hashlib.blake2b(f"{self.seed}\0{seq.request_id}\0{pos}".encode(), digest_size=8).digest()
+        return self.sample_at(seq.request_id, seq.start_pos + len(seq.token_ids))
+
+    def sample_at(self, request_id: str, pos: int) -> int:
+        """The token sampled after ``pos`` positions of a request: pseudo-random, and a function of (seed,
+        request, position) only, so replays are identical however their steps are grouped."""
+        digest = hashlib.blake2b(f"{self.seed}\0{request_id}\0{pos}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") % self.vocab_size
 
     # -- validation (shared checks: BatchChecker) ----------------------------------------------------

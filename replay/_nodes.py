@@ -37,6 +37,7 @@ from engine_adapter._executor import Executor, ScheduledBatch, StepOutput, Virtu
 from engine_adapter._kv_manager import KVStats
 from engine_adapter._modeled_executor import ModeledExecutor
 from engine_adapter._scheduler import Request, SchedulerConfig
+from replay._fast_forward import DecodeWindow, apply_bulk_step, plan_window, window_cut
 from replay._policies import ReplayConfig
 
 __all__ = ["NodeSpec", "NodeTotals", "SimNode", "build_nodes", "make_executor"]
@@ -58,6 +59,7 @@ class NodeSpec:
     executor: str = "modeled"  # "modeled": steps priced by cost_model; "torch": computed and timed
     torch_device: str = "cpu"  # where torch nodes compute (cpu-tiny describes this machine's CPU)
     ttft_deadline_s: float | None = None  # for the configs that take it (ReplayConfig.ttft_deadline)
+    fast_forward: bool = True  # modeled nodes apply plain decode stretches as one event (same results)
     link_s_per_token: float | None = None  # moving KV between nodes (ReplayConfig.migrate); None: host copy rate
 
 
@@ -81,7 +83,7 @@ class SimNode:
     """One engine node and the bookkeeping the simulator needs around it (busy flag, pinned integral)."""
 
     address: str
-    engine: EngineCore
+    core: EngineCore  # read it as ``engine``, which first brings a fast-forwarded node up to the clock
     cost_model: CostModel
     busy: bool = False
     num_steps: int = 0
@@ -93,34 +95,62 @@ class SimNode:
     poll_s: float = 0.05
     pinned_token_s: float = 0.0  # integral of pinned tokens over virtual time
     last_schedule_s: float = -1.0  # when the scheduler last ran (a request queued before it was passed over)
+    fast_forward: bool = True  # plain decode stretches as one event (modeled executor only; _fast_forward.py)
+    num_bulk_steps: int = 0  # steps applied in bulk (a diagnostic: the same steps, fewer events)
     _last_account_s: float = 0.0
     _last_pinned_tokens: int = 0
     finished: list[Request] = field(default_factory=list)
+    _win: DecodeWindow | None = None
+    _gen: int = 0
+    _schedule: Schedule | None = None
+    _on_step_end: Callable[[SimNode], None] | None = None
+
+    @property
+    def engine(self) -> EngineCore:
+        """The node's engine as of the current virtual time.  In a decode window the steps that have ended
+        are applied first, and a recheck at this same time ends the window early if whatever the caller
+        does next (a submit, a hint, an import) means the coming steps are no longer plain decodes."""
+        win = self._win
+        if win is not None:
+            now = self.core.clock.now()
+            self._sync(now)
+            if not win.recheck_pending:
+                win.recheck_pending = True
+                assert self._schedule is not None
+                self._schedule(now, self._recheck)
+        return self.core
 
     def totals(self) -> NodeTotals:
-        return NodeTotals(self.address, dataclasses.replace(self.engine.kv.stats),
-                          self.engine.scheduler.num_preemptions, self.pinned_token_s, self.num_steps,
+        eng = self.engine
+        return NodeTotals(self.address, dataclasses.replace(eng.kv.stats),
+                          eng.scheduler.num_preemptions, self.pinned_token_s, self.num_steps,
                           self.num_step_tokens, self.step_s, self.modeled_step_s)
 
     @property
     def block_size(self) -> int:
-        return self.engine.block_size
+        return self.core.block_size
 
     def account(self, now_s: float) -> None:
         """Integrate pinned memory up to ``now_s`` (called whenever pins may have changed)."""
+        if self._win is not None:
+            self._sync(now_s)
+        self._account(now_s)
+
+    def _account(self, now_s: float) -> None:
         self.pinned_token_s += self._last_pinned_tokens * max(0.0, now_s - self._last_account_s)
         self._last_account_s = now_s
-        self._last_pinned_tokens = self.engine.kv.num_pinned_blocks * self.block_size
+        self._last_pinned_tokens = self.core.kv.num_pinned_blocks * self.block_size
 
     def kick(self, now_s: float, schedule: Schedule, on_step_end: Callable[[SimNode], None]) -> None:
         """Start a step now if the node is idle and has anything to do."""
-        if self.busy or not self.engine.scheduler.has_work():
+        self._schedule, self._on_step_end = schedule, on_step_end
+        if self.busy or not self.core.scheduler.has_work():
             return
         self.busy = True
         schedule(now_s, lambda: self._start(schedule, on_step_end))
 
     def _start(self, schedule: Schedule, on_step_end: Callable[[SimNode], None]) -> None:
-        eng = self.engine
+        eng = self.core
         batch = eng.scheduler.schedule()
         now = self.last_schedule_s = eng.clock.now()
         self.account(now)
@@ -135,17 +165,77 @@ class SimNode:
         self.num_step_tokens += batch.num_tokens
         self.step_s += elapsed
         self.modeled_step_s += self.cost_model.step_time(batch) if self.measured else out.elapsed_s
+        if self.fast_forward and not self.measured:
+            win = plan_window(eng, batch, out, now, self._gen + 1)
+            if win is not None:
+                self._gen, self._win = win.gen, win
+                schedule(win.ends[-1], lambda: self._window_end(win.gen))
+                return
         schedule(now + elapsed, lambda: self._end(batch, out, on_step_end))
 
     def _end(self, batch: ScheduledBatch, out: StepOutput, on_step_end: Callable[[SimNode], None]) -> None:
-        eng = self.engine
+        eng = self.core
         eng.scheduler.update(batch, out)
         for o in eng.observers:
             o.on_step(batch, out)
         eng._changed()
-        self.account(eng.clock.now())
+        self._account(eng.clock.now())
         self.busy = False
         on_step_end(self)
+
+    # ---- decode windows (_fast_forward.py) -------------------------------------------------------------
+    def _sync(self, now_s: float) -> None:
+        """Apply the window's steps that have ended by ``now_s``, each as a step's end would."""
+        win = self._win
+        assert win is not None
+        eng = self.core
+        while win.applied <= win.last and win.ends[win.applied] <= now_s:
+            s, end_s = win.applied, win.ends[win.applied]
+            if s == 0:  # the real first step: as _end, at its own end time
+                eng.scheduler.update(win.batch, win.out)
+                eng._changed()
+            else:  # a bulk step: counted as _start counts a step, applied as update would apply it
+                n, e = len(win.reqs), win.elapsed[s]
+                self.num_steps += 1
+                self.num_bulk_steps += 1
+                self.num_step_tokens += n
+                self.step_s += e
+                self.modeled_step_s += e
+                apply_bulk_step(eng, win)
+            self._account(end_s)
+            if s < win.last:  # the next step of the window is scheduled at this one's end
+                self.last_schedule_s = end_s
+            win.applied += 1
+
+    def _recheck(self) -> None:
+        """Something outside touched the node at this time: if the step after the one in flight would no
+        longer be a plain decode of the same turns (or would start after a lease or prefetch falls due),
+        the window ends with the step in flight."""
+        win = self._win
+        if win is None:
+            return
+        win.recheck_pending = False
+        self._sync(self.core.clock.now())
+        j = win.applied  # the step in flight (its end is still ahead)
+        if j >= win.last:
+            return
+        cut = window_cut(self.core, win, j)
+        if cut < win.last:
+            del win.ends[cut + 1:], win.elapsed[cut + 1:]
+            self._gen += 1
+            win.gen = self._gen
+            assert self._schedule is not None
+            self._schedule(win.ends[cut], lambda: self._window_end(win.gen))
+
+    def _window_end(self, gen: int) -> None:
+        win = self._win
+        if win is None or win.gen != gen:  # cut short since: a later event ends it
+            return
+        self._sync(win.ends[-1])
+        self._win = None
+        self.busy = False
+        assert self._on_step_end is not None
+        self._on_step_end(self)
 
 
 def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: VirtualClock) -> list[SimNode]:
@@ -166,7 +256,7 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
         executor = make_executor(spec, num_device_blocks, num_host_blocks, seed=i)
         engine = EngineCore(executor, clock=clock, scheduler_config=sched, eviction_policy=config.eviction_policy,
                             retain_contexts=config.retain_contexts, node_id=f"node-{i}")
-        node = SimNode(f"node-{i}", engine, cm, measured=spec.executor == "torch")
+        node = SimNode(f"node-{i}", engine, cm, measured=spec.executor == "torch", fast_forward=spec.fast_forward)
 
         def finish(req: Request, node: SimNode = node) -> None:
             node.finished.append(req)
