@@ -158,6 +158,10 @@ class KVCacheManager(HostTier):
 
     # ---- allocation and eviction ---------------------------------------------------------------
     def allocate_device(self, n: int, exclude: Session | None = None) -> list[int] | None:
+        """``n`` free device blocks, evicting parked (then queued) contexts' blocks for them; None, with
+        nothing evicted, when even evicting all of them could not free enough."""
+        if self.device.num_free_blocks + self.num_evictable_blocks < n:
+            return None
         now = self.clock.now()
         while self.device.num_free_blocks < n:
             victim = self._device_evictable.best(now)

@@ -80,6 +80,11 @@ class SessionTable:
         self._pin_count = [0] * num_device_blocks
         self.num_pinned_blocks = 0
         self._device_evictable: SessionHeap[Session] = SessionHeap()
+        # Unpinned device blocks of parked and queued sessions: an upper bound on what evicting could free
+        # (shared blocks free only with their last holder), so an allocation that cannot succeed fails at
+        # once instead of evicting every parked context first (query, then mutate; ``allocate_device``).
+        self.num_evictable_blocks = 0
+        self._evictable: dict[Session, int] = {}
         self._host_holders: SessionHeap[Session] = SessionHeap()
         self._pin_expiry: list[tuple[float, int, str]] = []
         self._prefetch_due: list[tuple[float, int, str]] = []
@@ -105,6 +110,11 @@ class SessionTable:
 
     def _refresh(self, s: Session) -> None:
         """Keep the two eviction heaps in step with one session's state (call after every change)."""
+        unpinned = len(s.block_ids) - s.pinned_blocks if s.state is not SessionState.RUNNING else 0
+        before = self._evictable.pop(s, 0)
+        if unpinned > 0:
+            self._evictable[s] = unpinned
+        self.num_evictable_blocks += max(unpinned, 0) - before
         if s.state is SessionState.PARKED and len(s.block_ids) > s.pinned_blocks:
             self._device_evictable.set(s, self.policy.ref_time(s))
         else:
@@ -251,3 +261,8 @@ class SessionTable:
             raise AssertionError("pin counts disagree with sessions")
         if self.num_pinned_blocks > max(self.pin_budget_blocks, 0):
             raise AssertionError("pinned blocks over budget")
+        evictable = sum(len(s.block_ids) - s.pinned_blocks for s in self.sessions.values()
+                        if s.state is not SessionState.RUNNING)
+        if evictable != self.num_evictable_blocks or sum(self._evictable.values()) != evictable:
+            raise AssertionError(f"evictable blocks {self.num_evictable_blocks} != {evictable} held by "
+                                 "parked and queued sessions")

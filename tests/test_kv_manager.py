@@ -127,6 +127,26 @@ def test_eviction_follows_hinted_next_use_largest_first() -> None:
     kv.check_invariants()
 
 
+def test_an_allocation_that_cannot_succeed_evicts_nothing() -> None:
+    """Query, then mutate: when even evicting every parked context (pins excepted) could not free enough,
+    the allocation fails at once and every context stays where it is; with enough, it evicts as before."""
+    kv, _ = make_kv(12)
+    a = park_context(kv, "a", toks(0, 16))  # 4 blocks each, 8 of 12 used
+    b = park_context(kv, "b", toks(100, 16))
+    assert kv.set_pin(a, 60.0).pinned_blocks == 4
+    assert kv.num_evictable_blocks == 4  # b's; a's are pinned
+    held = kv.allocate_device(4)  # the 4 free ones
+    assert held is not None and kv.device.num_free_blocks == 0
+    assert kv.allocate_device(5) is None  # 0 free + 4 evictable < 5
+    assert (len(a.block_ids), len(b.block_ids), kv.stats.evicted_blocks) == (4, 4, 0)
+    more = kv.allocate_device(4)  # exactly what evicting b frees
+    assert more is not None and len(b.block_ids) == 0 and kv.stats.evicted_blocks == 4
+    assert kv.num_evictable_blocks == 0
+    for blk in held + more:
+        kv.device.unref(blk)
+    kv.check_invariants()
+
+
 def test_unhinted_context_is_ranked_by_recency_on_the_same_scale() -> None:
     kv, clock = make_kv(8)
     old = park_context(kv, "old", toks(0, 16))
