@@ -158,8 +158,10 @@ class KVCacheManager(HostTier):
 
     # ---- allocation and eviction ---------------------------------------------------------------
     def allocate_device(self, n: int, exclude: Session | None = None) -> list[int] | None:
-        """``n`` free device blocks, evicting parked (then queued) contexts' blocks for them; None, with
-        nothing evicted, when even evicting all of them could not free enough."""
+        """``n`` free device blocks, evicting parked (then queued) contexts' blocks for them, or None.  None
+        at once, with nothing evicted, when the free blocks and those contexts' unpinned blocks add up to
+        fewer than ``n``; that count is an upper bound (a block two contexts share is counted twice and
+        frees only with the second), so an allocation can still fail after evicting what it could."""
         if self.device.num_free_blocks + self.num_evictable_blocks < n:
             return None
         now = self.clock.now()

@@ -53,12 +53,14 @@ class Migrator:
     """Finds queued turns that another node can run now and moves their contexts there."""
 
     lookahead = 4  # waiting turns looked at per node and check (the queue's head is what waits longest)
+    max_moves_per_turn = 2  # a turn that could not start after two moves waits where it is
 
     def __init__(self, sim: Simulation, per_token_s: float) -> None:
         if not (math.isfinite(per_token_s) and per_token_s >= 0.0):
             raise ValueError(f"migration per_token_s must be finite and >= 0, got {per_token_s}")
         self.sim, self.per_token_s = sim, per_token_s
         self._inbound: dict[str, int] = {n.address: 0 for n in sim.nodes}  # blocks promised to moves in flight
+        self._inbound_turns: dict[str, int] = {n.address: 0 for n in sim.nodes}  # and the turns themselves
         self.num_migrations = 0
         self.num_migrated_tokens = 0
         self.num_failed_imports = 0
@@ -78,12 +80,17 @@ class Migrator:
                 if src.last_schedule_s <= req.arrival_s:  # its node has not looked at it yet
                     continue
                 ctx_tokens = req.session.num_device_tokens + req.session.num_host_tokens
+                if not ctx_tokens:  # nothing to take along: a first turn waits where the router sent it
+                    continue
                 if now - req.arrival_s < ctx_tokens * self.per_token_s:
+                    continue
+                s = self.sim.live[req.session.session_id]
+                if s.num_moves >= self.max_moves_per_turn:
                     continue
                 need = self._blocks(src, len(req.prompt) + req.max_new_tokens)
                 dst = max((n for n in open_nodes if n is not src), key=self._room, default=None)
-                if dst is not None and self._room(dst) >= need:
-                    self.move(src, dst, self.sim.live[req.session.session_id], queued=req)
+                if dst is not None and self.fits(dst, need):
+                    self.move(src, dst, s, queued=req)
 
     def _blocks(self, node: SimNode, num_tokens: int) -> int:
         return -(-num_tokens // node.block_size)
@@ -95,53 +102,79 @@ class Migrator:
         held = sum(self._blocks(node, len(r.prompt) + r.max_new_tokens) for r in node.engine.scheduler.running)
         return kv.device.num_blocks - held - kv.num_pinned_blocks - self._inbound[node.address]
 
+    def fits(self, node: SimNode, need: int) -> bool:
+        """Whether ``node`` could admit a turn needing ``need`` blocks now: room, and a free sequence slot
+        (counting the turns already on their way there)."""
+        sched = node.engine.scheduler
+        slots = sched.config.max_num_seqs - len(sched.running) - self._inbound_turns[node.address]
+        return slots > 0 and self._room(node) >= need
+
     def holds(self, node: SimNode, session_id: str) -> bool:
         """Whether ``node`` has a parked context of the session to move."""
         s = node.engine.kv.sessions.get(session_id)
         return s is not None and s.state is SessionState.PARKED and bool(s.num_device_tokens + s.num_host_tokens)
 
+    def turn_blocks(self, node: SimNode, s: SessionRun) -> int:
+        """Blocks the session's turn in flight needs to finish (its whole prompt and output)."""
+        return self._blocks(node, len(s.prompt) + s.session.turns[s.turn_index].output_tokens)
+
     def move(self, src: SimNode, dst: SimNode, s: SessionRun, queued: Request | None = None) -> None:
         """Copy the session's context from ``src`` to ``dst`` and submit its turn there once it has arrived: a
-        turn ``queued`` on ``src`` (aborted there first), or one about to start that the router sent to
-        ``dst``.  The receiver takes its blocks first, as an RDMA transfer's receiver does, so a move that
-        finds no room fails at once and the turn stays where its context is."""
+        turn ``queued`` on ``src`` (aborted there first; it keeps its place in line: its arrival time and
+        TTFT-deadline status go with it), or one about to start that the router sent to ``dst``.  The receiver
+        takes its blocks first, as an RDMA transfer's receiver does, so a move that finds no room fails at
+        once and the turn stays where its context is."""
         sim = self.sim
+        arrival_s, overdue = sim.now, False
         if queued is not None:
+            arrival_s, overdue = queued.arrival_s, queued.overdue
             src.engine.abort(queued.request_id)
             src.finished.remove(queued)  # an abort reports a finish; this one is not the turn's end
-        held = src.engine.kv.sessions[s.key]
-        age_s = max(0.0, sim.now - held.program_start_s) if held.program_start_s is not None else 0.0
-        priority = Priority(session_id=s.key, program_id=held.program_id, program_age_s=age_s,
-                            priority_class=held.priority_class)
+        s.num_moves += 1
         blob = src.engine.export_context(s.key)
         try:
             dst.engine.import_context(blob)
         except EngineError:  # no room there after all: the turn goes on waiting where its context is
             self.num_failed_imports += 1
-            sim.router.started(src.address, _route_request(s))
-            sim.submit_turn(s, src)
-            src.engine.apply_hints([priority])
+            self._submit(src, src, s, arrival_s, overdue)
             return
         transfer_s = len(blob.token_ids) * self.per_token_s
         # The blocks are written while the copy is on the wire: keep them from being evicted meanwhile (the
         # lease holds on past its end once the turn is queued, until admission consumes it).
         dst.engine.apply_hints([Pin(session_id=s.key, ttl_s=transfer_s, reason="migration in flight")])
-        need = self._blocks(dst, len(s.prompt) + s.session.turns[s.turn_index].output_tokens)
+        need = self.turn_blocks(dst, s)
         self._inbound[dst.address] += need
-        sim.at(sim.now + transfer_s, lambda: self._arrive(src, dst, s, len(blob.token_ids), priority, need))
+        self._inbound_turns[dst.address] += 1
+        sim.at(sim.now + transfer_s,
+               lambda: self._arrive(src, dst, s, len(blob.token_ids), need, arrival_s, overdue))
         sim.kick(src)
 
-    def _arrive(self, src: SimNode, dst: SimNode, s: SessionRun, num_tokens: int, priority: Priority,
-                need: int) -> None:
-        """The copy is complete: the source lets go of its context, and the turn is submitted on ``dst``."""
+    def _arrive(self, src: SimNode, dst: SimNode, s: SessionRun, num_tokens: int, need: int, arrival_s: float,
+                overdue: bool) -> None:
+        """The copy is complete: the turn is submitted on ``dst`` and the source lets go of its context."""
         self._inbound[dst.address] -= need
-        src.engine.kv.free_session(src.engine.kv.sessions[s.key])
+        self._inbound_turns[dst.address] -= 1
         self.num_migrations += 1
         self.num_migrated_tokens += num_tokens
         s.migrated_tokens = num_tokens
-        self.sim.router.started(dst.address, _route_request(s))  # the session's home from now on
-        self.sim.submit_turn(s, dst)
-        dst.engine.apply_hints([priority])
+        self._submit(src, dst, s, arrival_s, overdue)
+        src.engine.kv.free_session(src.engine.kv.sessions[s.key])
+
+    def _submit(self, src: SimNode, target: SimNode, s: SessionRun, arrival_s: float, overdue: bool) -> None:
+        """Submit the turn on ``target`` with the program's priority as the source holds it now (the age
+        counted from the program's start, not from when the copy began) and its place in line."""
+        held = src.engine.kv.sessions[s.key]
+        age_s = max(0.0, self.sim.now - held.program_start_s) if held.program_start_s is not None else 0.0
+        priority = Priority(session_id=s.key, program_id=held.program_id, program_age_s=age_s,
+                            priority_class=held.priority_class)
+        self.sim.router.started(target.address, _route_request(s))  # the session's home from now on
+        self.sim.submit_turn(s, target)
+        req = s.request
+        assert req is not None
+        if (req.arrival_s, req.overdue) != (arrival_s, overdue):
+            req.arrival_s, req.overdue = arrival_s, overdue
+            target.engine.scheduler.mark_priorities_changed()  # re-sorted by its key at the next step
+        target.engine.apply_hints([priority])
 
 
 def _route_request(s: SessionRun) -> RouteRequest:

@@ -215,11 +215,17 @@ class SimNode:
         if win is None:
             return
         win.recheck_pending = False
-        self._sync(self.core.clock.now())
+        now = self.core.clock.now()
+        self._sync(now)
         j = win.applied  # the step in flight (its end is still ahead)
-        if j >= win.last:
+        if j > win.last:
             return
-        cut = window_cut(self.core, win, j)
+        # A step that starts at this very time has not been scheduled yet in a step-by-step run (its start is
+        # an event queued behind this one), so it too may still be cut.
+        lo = j - 1 if j >= 1 and win.ends[j - 1] == now else j
+        if lo == win.last:
+            return
+        cut = window_cut(self.core, win, lo)
         if cut < win.last:
             del win.ends[cut + 1:], win.elapsed[cut + 1:]
             self._gen += 1

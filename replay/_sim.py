@@ -275,10 +275,12 @@ class Simulation:
             address, moved_from = self._route(s, prompt, turn)
         else:
             address = node.address
-        s.prompt, s.migrated_tokens = prompt, 0
+        s.prompt, s.migrated_tokens, s.num_moves = prompt, 0, 0
         src = self.by_address[moved_from] if moved_from is not None else None
-        if src is not None and self.migrator is not None and self.migrator.holds(src, s.key):
-            self.migrator.move(src, self.by_address[address], s)  # takes the context along
+        dst = self.by_address[address]
+        mig = self.migrator
+        if src is not None and mig is not None and mig.holds(src, s.key) and mig.fits(dst, mig.turn_blocks(dst, s)):
+            mig.move(src, dst, s)  # takes the context along
         else:
             if src is not None:  # the context stays behind: unpin it there (it is recomputed here)
                 src.engine.apply_hints([Pin(session_id=s.key, ttl_s=0.0)])

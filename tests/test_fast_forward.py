@@ -51,3 +51,46 @@ def test_decode_windows_leave_every_figure_unchanged(workload: str, policy: str,
     for a, b in zip(r0.nodes, r1.nodes, strict=True):  # engines end in the same state
         assert a.core.version == b.core.version
         assert a.core.kv.stats == b.core.kv.stats
+
+
+def test_a_turn_arriving_exactly_when_a_bulk_step_starts_joins_that_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step by step, a step starting at time T is scheduled by an event queued behind whatever else happens
+    at T, so a turn that arrives at exactly T is in it; a window must not have started it already (found by
+    review: the arriving turn waited one step longer with windows)."""
+    import replay._nodes as nodes_mod
+    from replay import Program
+
+    setup = ReplaySetup(workload="swe-agent", seed=1, num_programs=2, num_nodes=1).with_defaults()
+    programs = setup.load_programs()
+    cm = setup.cost()
+    setup = setup.resolve(programs, cm)
+    config = get_replay_config("vllm-default")
+
+    def run(progs: list[Program], fast_forward: bool):  # type: ignore[no-untyped-def]
+        spec = dataclasses.replace(setup.node_spec(cm, infinite_kv=False, programs=progs), fast_forward=fast_forward)
+        return Simulation(progs, config, spec, num_nodes=1, seed=setup.seed, tick_s=setup.tick_s).run()
+
+    first = dataclasses.replace(programs[0], arrival_s=0.0)
+    ends: list[float] = []
+    plan = nodes_mod.plan_window
+
+    def spy(*a, **kw):  # type: ignore[no-untyped-def]
+        win = plan(*a, **kw)
+        if win is not None and not ends and len(win.ends) > 4:
+            ends.extend(win.ends)
+        return win
+
+    monkeypatch.setattr(nodes_mod, "plan_window", spy)
+    run([first], True)
+    monkeypatch.setattr(nodes_mod, "plan_window", plan)
+    assert ends
+    both = [first, dataclasses.replace(programs[1], arrival_s=ends[2])]  # exactly when bulk step 3 starts
+    waits = []
+    for ff in (False, True):
+        r = run(both, ff)
+        waits.append(next(t.queue_wait_s for t in r.turns if t.program_id == both[1].program_id))
+        m = metrics(r)
+        for key in ("wall_s", "num_events"):
+            m.pop(key)
+        waits.append(json.dumps(m, sort_keys=True))
+    assert waits[0] == 0.0 and waits[0] == waits[2] and waits[1] == waits[3]
