@@ -10,7 +10,12 @@ hint policy the way the live runtime (``workflows/_runtime.py``) feeds them, so 
   the whole time the context sits idle;
 * Continuum's T comes from the queue wait of turns that recomputed tokens; ``PrefillReload`` is learned
   from the nodes' answers (``orchestrator._prefill.PrefillEstimator``, as live), with the cost model as its prior;
-* hints go to the node holding the session (all nodes when unknown); ``Release`` goes to every node.
+* hints go to the node holding the session (all nodes when unknown); ``Release`` goes to every node;
+* with ``ReplayConfig.migrate`` (hintflow), a turn queued for memory moves to a node with room, and a
+  session the router moves takes its context along (``_migration.py``); the checks run at step ends that
+  freed room or on a node with a queue, and at ticks;
+* memory is sampled every ``sample_interval_s`` of virtual time, and a modeled node runs a stretch of plain
+  decode steps as one event (``_fast_forward.py``; the same results).
 
 Determinism: the heap breaks time ties by insertion order and nothing reads the wall clock, so a trace,
 a configuration and a seed give the same result every time on the modeled executor.  On torch nodes a
