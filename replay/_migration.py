@@ -23,9 +23,10 @@ queued on A and the transfer.  It counts as a migration, not a session move (tho
 is the live engine's own API (``abort``, ``export_context``, ``import_context``, ``Pin``, ``Priority``), the
 path a live rebalancer would take; the live runtime does not move contexts yet.
 
-Rent-or-buy: a turn moves only after waiting as long as its transfer takes, so a turn that its own node
-admits within that time never pays for one, and only once its node's scheduler has passed it over (a moved
-turn is not moved on before its new node has looked at it: no ping-pong).  The link's rate is
+Rent-or-buy: a turn moves only after waiting on its node as long as its transfer takes, so a turn that its
+own node admits within that time never pays for one, and only once that node's scheduler has passed it
+over (both counted from when the turn reached the node, so a moved turn is not moved on before its new node
+has looked at it: no ping-pong); and at most twice.  The link's rate is
 ``per_token_s`` (``hintflow replay --link-gb-per-s``; by default the cost model's host copy rate: a
 GPU-direct RDMA NIC of 200-400 Gb/s moves KV about as fast as the PCIe path).
 """
@@ -77,20 +78,21 @@ class Migrator:
             for req in list(waiting[: self.lookahead]):
                 if req.admitted or req.output:  # admitted once (preempted since): its work is here
                     continue
-                if src.last_schedule_s <= req.arrival_s:  # its node has not looked at it yet
+                s = self.sim.live[req.session.session_id]
+                # Counted from when it reached this node (a moved turn keeps its older arrival time).
+                if src.last_schedule_s <= s.landed_s:  # its node has not looked at it yet
                     continue
                 ctx_tokens = req.session.num_device_tokens + req.session.num_host_tokens
                 if not ctx_tokens:  # nothing to take along: a first turn waits where the router sent it
                     continue
-                if now - req.arrival_s < ctx_tokens * self.per_token_s:
+                if now - s.landed_s < ctx_tokens * self.per_token_s:
                     continue
-                s = self.sim.live[req.session.session_id]
                 if s.num_moves >= self.max_moves_per_turn:
                     continue
                 need = self._blocks(src, len(req.prompt) + req.max_new_tokens)
-                dst = max((n for n in open_nodes if n is not src), key=self._room, default=None)
-                if dst is not None and self.fits(dst, need):
-                    self.move(src, dst, s, queued=req)
+                fitting = [n for n in open_nodes if n is not src and self.fits(n, need)]
+                if fitting:
+                    self.move(src, max(fitting, key=self._room), s, queued=req)
 
     def _blocks(self, node: SimNode, num_tokens: int) -> int:
         return -(-num_tokens // node.block_size)

@@ -31,6 +31,7 @@ class SessionRun:
     request: Request | None = None
     migrated_tokens: int = 0  # context tokens copied in from another node for the turn in flight
     num_moves: int = 0  # times the turn in flight was moved to another node (``replay/_migration.py``)
+    landed_s: float = 0.0  # when the turn in flight was last submitted (to its node, or to the node it moved to)
     ready_s: float = 0.0  # when the current turn became ready (submit, or entry to ThunderAgent's queue)
     tool: str | None = None
     tool_start_s: float = 0.0

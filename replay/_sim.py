@@ -295,7 +295,7 @@ class Simulation:
     def submit_turn(self, s: SessionRun, target: SimNode) -> None:
         """Submit the session's turn in flight (``s.prompt``) to ``target`` and start it stepping."""
         turn = s.session.turns[s.turn_index]
-        s.node = target.address
+        s.node, s.landed_s = target.address, self.now
         s.request = target.engine.submit(
             s.prompt, max(1, turn.output_tokens), session_id=s.key, program_id=s.run.program.program_id,
             priority=self._remaining_work_ms(s.run) if self.config.clairvoyant else None,

@@ -44,7 +44,7 @@ class _Moves:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[bool, str, int]] = []
         self.turns: list[tuple[str, int]] = []
-        self.num_left_behind = self.num_lost_place = 0
+        self.num_left_behind = self.num_lost_place = self.num_unseen_moves = 0
         self.num_in_flight = self.num_unleased_in_flight = 0
         self.num_in_flight_blocks = self.num_pinned_in_flight_blocks = 0
         move, arrive = Migrator.move, Migrator._arrive
@@ -53,6 +53,8 @@ class _Moves:
             held = src.engine.kv.sessions[s.key]
             self.calls.append((queued is not None, s.key, held.num_device_tokens + held.num_host_tokens))
             self.turns.append((s.key, s.turn_index))
+            # A turn moved before is moved on only after the node it reached has scheduled since it arrived.
+            self.num_unseen_moves += s.num_moves > 0 and src.last_schedule_s <= s.landed_s
             move(m, src, dst, s, queued)
             copy = dst.engine.kv.sessions.get(s.key)
             if s.node != dst.address and copy is not None:  # in flight: its blocks are being written
@@ -94,6 +96,7 @@ def test_queued_turns_move_with_their_context_and_recompute_nothing(monkeypatch:
         assert t.recomputed_tokens == 0 or moved_without, t
         last[t.session_key] = t.node
     assert moves.num_left_behind == 0 and moves.num_lost_place == 0
+    assert moves.num_unseen_moves == 0 and len(moves.turns) > len(set(moves.turns))  # (some turns moved twice)
     # A copy on the wire is pinned on its new node (within the node's pin budget, as every lease is).
     assert moves.num_in_flight > 0 and moves.num_unleased_in_flight == 0
     assert moves.num_pinned_in_flight_blocks >= 0.8 * moves.num_in_flight_blocks > 0
