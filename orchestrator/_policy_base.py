@@ -134,6 +134,16 @@ class _BasePolicy:
         sessions whose predicted next-use *time* moved by at most ``rel_change`` of the prediction are left out."""
         entries: list[NextUse] = []
         for sid, pred in preds.items():
+            if only_changed and sid in self._sent_next_use:
+                # Most predictions move too little to re-send, every tick: for a session already sent once
+                # (its id is valid), check a valid value before building and validating a hint for it.
+                # Anything else (an error, NaN, a negative) takes the checked path below, which counts it.
+                try:
+                    value = _cap(pred(), MAX_HORIZON_S)
+                except Exception:
+                    value = math.nan
+                if 0.0 <= value <= MAX_HORIZON_S and not self._changed(sid, now_s, value):
+                    continue
             entry: NextUse | None = self._safe(
                 partial(_next_use, sid, pred),
                 f"NextUse({sid})",

@@ -205,6 +205,27 @@ def test_nan_reload_drops_pins_and_counts_them(name: str, caplog: pytest.LogCapt
         assert sum(isinstance(h, EvictionOrder) for h in hints) == 2
 
 
+def test_a_prediction_that_turns_bad_on_a_tick_is_counted_every_time() -> None:
+    """Unchanged predictions of sessions already sent skip building a hint; a bad one (here NaN, once the
+    session was sent) still takes the checked path and is counted and dropped on every tick."""
+
+    class Flaky(PauseModel):
+        bad = False
+
+        def expected_remaining(self, tool: str, elapsed_s: float) -> float:
+            return math.nan if self.bad else 1.0
+
+    model = Flaky()
+    policy = get_policy("hintflow", pause_model=model, prefill_reload=lambda n: 0.0)
+    policy.on_event(ToolStarted(P, S, "bash", 0.0, 100))
+    assert policy.on_event(Tick(0.05)) == [] and policy.num_invalid_hints == 0  # unchanged: nothing sent
+    model.bad = True
+    assert policy.on_event(Tick(0.10)) == [] and policy.on_event(Tick(0.15)) == []
+    assert policy.num_invalid_hints == 2
+    model.bad = False  # good again, and its deadline has moved 0.2 s of 1 s: re-sent
+    assert len(policy.on_event(Tick(0.20))) == 1 and policy.num_invalid_hints == 2
+
+
 def test_negative_prediction_is_dropped_not_sent() -> None:
     class BrokenModel(PauseModel):
         def expected_remaining(self, tool: str, elapsed_s: float) -> float:
