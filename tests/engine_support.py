@@ -3,7 +3,21 @@
 from __future__ import annotations
 
 from engine_adapter._engine import EngineCore
+from engine_adapter._scheduler import SchedulerConfig
 from hints import Release
+
+
+def deadline_scheduler_config() -> SchedulerConfig:
+    """Small steps, a cold-prefill cap, a 50 ms TTFT deadline and program-FCFS aging: the scheduler's
+    reordering paths, for the integrity fuzzers (a fresh object each call: the config is mutable)."""
+    return SchedulerConfig(
+        max_num_batched_tokens=64,
+        cold_prefill_budget_tokens=16,
+        warm_threshold_tokens=8,
+        ttft_deadline_s=0.05,
+        program_fcfs_aging_s=1.0,
+        admission_lookahead=2,
+    )
 
 
 def release_everything(core: EngineCore) -> None:

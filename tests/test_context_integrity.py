@@ -29,7 +29,7 @@ from engine_adapter._scheduler import SchedulerConfig
 from engine_adapter._session import SessionState
 from engine_adapter._torch_executor import make_torch_executor
 from hints import EvictionOrder, NextUse, Pin, Prefetch, Priority, Release, cache_state_to_proto
-from tests.engine_support import release_everything
+from tests.engine_support import deadline_scheduler_config, release_everything
 
 Tier = Literal["device", "host"]
 VOCAB = 500
@@ -177,16 +177,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "host0": dict(host=0),
     "bighost": dict(host=40),
     "lru_noretain": dict(eviction_policy="lru", retain_contexts=False),
-    "deadline": dict(
-        cfg=SchedulerConfig(
-            max_num_batched_tokens=64,
-            cold_prefill_budget_tokens=16,
-            warm_threshold_tokens=8,
-            ttft_deadline_s=0.05,
-            program_fcfs_aging_s=1.0,
-            admission_lookahead=2,
-        )
-    ),
+    "deadline": dict(cfg=deadline_scheduler_config()),
     "bs3_pin": dict(bs=3, dev=30, pin_budget_fraction=0.9),
 }
 

@@ -31,7 +31,7 @@ from engine_adapter._scheduler import SchedulerConfig
 from engine_adapter._session import SessionState
 from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig, make_torch_executor
 from hints import EvictionOrder, NextUse, Pin, Prefetch, Priority, Release
-from tests.engine_support import release_everything
+from tests.engine_support import deadline_scheduler_config, release_everything
 
 VOCAB = TorchModelConfig().vocab_size
 # The model computes in float64 and hands out float32 logits: the paged and full forwards agreed exactly
@@ -67,14 +67,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bs3_deadline_pins": dict(
         bs=3,
         pools=((24, 12), (26, 20)),
-        cfg=SchedulerConfig(
-            max_num_batched_tokens=64,
-            cold_prefill_budget_tokens=16,
-            warm_threshold_tokens=8,
-            ttft_deadline_s=0.05,
-            program_fcfs_aging_s=1.0,
-            admission_lookahead=2,
-        ),
+        cfg=deadline_scheduler_config(),
         engine=dict(pin_budget_fraction=0.9),
     ),
 }
