@@ -243,6 +243,12 @@ class KVCacheManager(HostTier):
         self.set_next_use(s, at_s)
 
     # ---- time passes ---------------------------------------------------------------------------
+    def next_due_s(self) -> float:
+        """When the next pin lease or prefetch may fall due (``inf`` if none): until then ``tick`` changes
+        nothing.  Heap tops, so a lease renewed or ended since can only make this early, never late."""
+        due = [h[0][0] for h in (self._pin_expiry, self._prefetch_due) if h]
+        return min(due) if due else float("inf")
+
     def tick(self) -> bool:
         """Expire pin leases and run due prefetches; cheap when nothing is due. True if anything changed."""
         now = self.clock.now()

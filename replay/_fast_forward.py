@@ -56,13 +56,6 @@ class DecodeWindow:
         return len(self.ends) - 1
 
 
-def _earliest_deadline_s(core: EngineCore) -> float:
-    """When the node's next pin lease or prefetch falls due (heap tops; a stale one only ends a window early)."""
-    kv = core.kv
-    due = [h[0][0] for h in (kv._pin_expiry, kv._prefetch_due) if h]
-    return min(due) if due else float("inf")
-
-
 def _bulk_ok(core: EngineCore, reqs: list[Request]) -> bool:
     """Would the next schedule() be a decode of exactly ``reqs`` and nothing else?"""
     sched = core.scheduler
@@ -103,7 +96,7 @@ def plan_window(core: EngineCore, batch: ScheduledBatch, out: StepOutput, now_s:
     cm = ex.cost_model
     n = len(reqs)
     ctx = sum(seq.start_pos + 1 for seq in batch.seqs)
-    deadline = _earliest_deadline_s(core)
+    deadline = core.kv.next_due_s()
     ends, elapsed = [now_s + out.elapsed_s], [out.elapsed_s]
     for _ in range(m):
         if ends[-1] >= deadline:  # the next step would start at or after a lease or prefetch falls due
@@ -138,5 +131,5 @@ def window_cut(core: EngineCore, win: DecodeWindow, in_flight: int) -> int:
     if not _bulk_ok(core, win.reqs):
         return in_flight
     # bulk step s starts at ends[s - 1]: keep those that start before the deadline
-    keep = bisect.bisect_left(win.ends, _earliest_deadline_s(core), lo=in_flight, hi=win.last)
+    keep = bisect.bisect_left(win.ends, core.kv.next_due_s(), lo=in_flight, hi=win.last)
     return max(in_flight, keep)
