@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
-from hints._models import OptionalProgramId, SessionId
+from hints import OptionalProgramId, SessionId
 
 from ._engine_errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ._executor import ScheduledBatch

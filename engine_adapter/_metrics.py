@@ -1,6 +1,6 @@
 """Prometheus metrics of one engine node, named to sit beside vLLM's ``vllm:*`` in one dashboard.
 
-Conventions (DESIGN.md): prefix ``hintflow_``, base units, counters end in ``_total``, durations in
+Conventions (docs/architecture.md, docs/metrics.md): prefix ``hintflow_``, base units, counters end in ``_total``, durations in
 ``_seconds``, and every series carries ``model_name`` as vLLM's do.
 
 Two kinds of source, so nothing is counted twice:

@@ -33,13 +33,14 @@ from pydantic import TypeAdapter, ValidationError
 from hints import (
     HintAck,
     HintResult,
+    OptionalProgramId,
+    SessionId,
     ack_to_proto,
     batch_from_proto_lenient,
     cache_state_to_proto,
     engine_pb2,
     engine_pb2_grpc,
 )
-from hints._models import OptionalProgramId, SessionId
 
 from ._engine import ContextData, EngineCore, EngineError, InvalidArgument
 from ._metrics import EngineMetrics

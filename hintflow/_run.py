@@ -114,8 +114,7 @@ async def local_nodes(
     ``cold_prefill_cap=False`` too: vLLM has no cap on cold prefills while warm work shares a step (the
     cold budget is then the whole step budget, as the replay's ``vllm-default`` runs).
     """
-    from engine_adapter._config import build_engine, load_engine_config
-    from engine_adapter._server import start_node
+    from engine_adapter import build_engine, load_engine_config, start_node
 
     nodes = []
     try:
@@ -177,7 +176,7 @@ def make_runtime(
         routing = "session" if parse_policy_spec(policy, POLICIES).name == "vllm-default" else "hintflow"
     if cost_model is None:
         return HintRuntime(engines, policy, routing=routing)
-    from engine_adapter._cost_model import load_cost_model
+    from engine_adapter import load_cost_model
 
     cm = load_cost_model(cost_model)
     return HintRuntime(
@@ -235,7 +234,7 @@ class RunConfig:
 
 
 async def _background(addresses: Sequence[str], cfg: RunConfig, stop: asyncio.Event) -> int:
-    from workflows._runtime import turn_client
+    from workflows import turn_client
 
     num_done = 0
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from replay._cli import writable_parent
+from replay import writable_parent
 
 DEFAULT_CAPACITIES = (100_000, 200_000, 400_000, 800_000, 1_600_000)
 
@@ -104,7 +104,7 @@ def cache_replay(
     """Replay a Mooncake-format TRACE through the block pool: prefix hit rate per capacity, LRU vs Belady."""
     import time
 
-    from engine_adapter._cache_replay import replay_mooncake
+    from engine_adapter import replay_mooncake
 
     t0 = time.perf_counter()
     try:
@@ -220,7 +220,7 @@ def serve(
             raise click.UsageError(
                 "--backend vllm needs --model DIR (build one with `hintflow make-tiny-model DIR`)"
             )
-        from engine_adapter.vllm_backend._serve import serve_vllm
+        from engine_adapter.vllm_backend import serve_vllm
 
         host, port = overrides.get("host") or "127.0.0.1", overrides.get("port") or 8000
         if hint_port:  # how orchestrators name this node (hintflow worker/run --engines, HintRuntime)
@@ -255,7 +255,7 @@ def serve(
 
     from pydantic import ValidationError
 
-    from engine_adapter._config import ConfigError, load_engine_config
+    from engine_adapter import ConfigError, load_engine_config
 
     try:
         cfg = load_engine_config(config_file, **overrides)
@@ -269,8 +269,7 @@ async def _serve(cfg: Any) -> None:
     import asyncio
     import signal
 
-    from engine_adapter._config import build_engine
-    from engine_adapter._server import start_node
+    from engine_adapter import build_engine, start_node
 
     core = build_engine(cfg)
     node = await start_node(core, cfg.host, cfg.port, cfg.metrics_port)
@@ -348,8 +347,7 @@ def profile(
 
     import torch
 
-    from engine_adapter._profile import profile_torch_executor
-    from engine_adapter._torch_executor import TorchModelConfig
+    from engine_adapter import TorchModelConfig, profile_torch_executor
 
     try:  # a device this machine lacks: say so, not an assertion from deep inside torch
         torch.empty(1, device=device)
@@ -392,7 +390,7 @@ def main() -> None:
 
 
 def _register_replay() -> None:
-    from replay._cli import replay_command
+    from replay import replay_command
 
     hintflow.add_command(replay_command, "replay")
 
@@ -418,7 +416,7 @@ def bench(as_json: bool, **kwargs: Any) -> None:
     """Scheduler overhead per step and hint throughput with many live sessions (modeled executor)."""
     import json
 
-    from engine_adapter._bench import run_bench
+    from engine_adapter import run_bench
 
     try:
         result = run_bench(**kwargs)
@@ -515,7 +513,7 @@ class CommaStrs(click.ParamType):
     name = "ENGINE,..."
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[str]:
-        from hints._nodes import parse_engine
+        from hints import parse_engine
 
         if isinstance(value, list | tuple):
             return list(value)
@@ -546,7 +544,7 @@ def _check_cost_model(name: str | None) -> None:
     """Fail before starting anything: a bad --cost-model should not cost a Temporal server start."""
     if name is None:
         return
-    from engine_adapter._cost_model import load_cost_model
+    from engine_adapter import load_cost_model
 
     try:
         load_cost_model(name)
@@ -706,7 +704,7 @@ def run(
 def _coerce(name: str, raw: str, typ: Any) -> Any:
     """``raw`` as a value of the field's type, or ValueError saying what was expected (scalars parse as a
     policy option's value does: one parser, one wording)."""
-    from orchestrator._policy_spec import Option, parse_value
+    from orchestrator import Option, parse_value
 
     if typ in (bool, int, float, str):
         return raw if typ is str else parse_value(name, raw, Option(typ, ""))
@@ -782,7 +780,7 @@ def _run_table(r: dict[str, Any]) -> str:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def vllm_bench(args: tuple[str, ...]) -> None:
     """Agent programs against real vLLM nodes: vanilla vs hintflow (infer / orchestrator); --help for flags."""
-    from engine_adapter.vllm_backend._agent_bench import main as bench_main
+    from replay import vllm_bench_main as bench_main
 
     bench_main(list(args))
 
@@ -797,7 +795,7 @@ def make_tiny_model_cmd(out_dir: Path) -> None:
         import tokenizers  # noqa: F401
         import transformers  # noqa: F401
 
-        from engine_adapter.vllm_backend._tiny_model import make_tiny_model
+        from engine_adapter.vllm_backend import make_tiny_model
     except ImportError as exc:
         raise click.ClickException(
             f"{exc}: run this with the Python that has vLLM (.venv-vllm/bin/python)"

@@ -1,4 +1,4 @@
-"""Pydantic models of the hint vocabulary and of the engine's replies (see DESIGN.md, "Hint vocabulary").
+"""Pydantic models of the hint vocabulary and of the engine's replies (see docs/architecture.md, "Hint vocabulary").
 
 These are what both sides program against; the protobuf messages in ``engine_pb2`` are only the wire form
 (``hints._convert`` maps between the two). Validation lives here, once, so that a hint is checked the same

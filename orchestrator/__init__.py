@@ -12,12 +12,6 @@ from orchestrator._graph import (
     shared_prefix_steps,
     steps_to_execution,
 )
-from orchestrator._pause_model import (
-    EmpiricalDistribution,
-    ExponentialDistribution,
-    PauseDistribution,
-    PauseModel,
-)
 from orchestrator._policy import (
     POLICIES,
     POLICY_OPTIONS,
@@ -38,6 +32,8 @@ from orchestrator._policy import (
     get_policy,
     parse_policy_spec,
 )
+from orchestrator._policy_spec import Option, parse_options, parse_value
+from orchestrator._prefill import PrefillEstimator
 from orchestrator._router import (
     ROUTING_POLICIES,
     NodeView,
@@ -49,7 +45,16 @@ from orchestrator._router import (
     default_prefill_s,
     get_routing_policy,
 )
-from orchestrator._ttl import ContinuumTTL, continuum_tau
+from orchestrator._tracker import ProgramTracker, role_of
+from predictors import (
+    ContinuumTTL,
+    EmpiricalDistribution,
+    ExponentialDistribution,
+    HostTierTTL,
+    PauseDistribution,
+    PauseModel,
+    continuum_tau,
+)
 
 __all__ = [
     "POLICIES",
@@ -62,16 +67,20 @@ __all__ = [
     "ExponentialDistribution",
     "HintFlowPolicy",
     "HintPolicy",
+    "HostTierTTL",
     "JoinKind",
     "KVFlowPolicy",
     "NoNodeAvailable",
     "NodeView",
+    "Option",
     "PauseDistribution",
     "PauseModel",
     "PolicySpec",
+    "PrefillEstimator",
     "ProgramEnded",
     "ProgramGraph",
     "ProgramState",
+    "ProgramTracker",
     "RouteDecision",
     "RouteRequest",
     "Router",
@@ -87,8 +96,11 @@ __all__ = [
     "default_prefill_s",
     "get_policy",
     "get_routing_policy",
+    "parse_options",
     "parse_policy_spec",
+    "parse_value",
     "pause_tool",
+    "role_of",
     "shared_prefix_steps",
     "steps_to_execution",
 ]

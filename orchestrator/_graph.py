@@ -22,7 +22,7 @@ from typing import Literal
 
 import networkx as nx
 
-from orchestrator._pause_model import EmpiricalDistribution, PauseModel
+from predictors import EmpiricalDistribution, PauseModel
 
 __all__ = [
     "JoinKind",

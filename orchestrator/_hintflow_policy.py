@@ -16,7 +16,7 @@ from orchestrator._baselines import ContinuumPolicy
 from orchestrator._events import ProgramEnded, Tick, ToolStarted, TurnEnded, TurnStarted
 from orchestrator._policy_base import _cap
 from orchestrator._tracker import ProgramTracker
-from orchestrator._ttl import ContinuumTTL, HostTierTTL
+from predictors import ContinuumTTL, HostTierTTL
 
 
 class HintFlowPolicy(ContinuumPolicy):

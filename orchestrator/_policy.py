@@ -1,4 +1,4 @@
-"""The event-to-hints layer: program events in, validated hints out (see DESIGN.md, "Hint vocabulary").
+"""The event-to-hints layer: program events in, validated hints out (see docs/architecture.md, "Hint vocabulary").
 
 A policy is a small object chosen by name from :data:`POLICIES`; the baselines (``vllm-default``,
 ``continuum``, ``kvflow``, ``thunderagent``) are policies too, so comparisons run on one code path.

@@ -30,8 +30,7 @@ from orchestrator._events import (
     TurnEnded,
     TurnStarted,
 )
-from orchestrator._pause_model import PauseModel
-from orchestrator._ttl import ContinuumTTL
+from predictors import ContinuumTTL, PauseModel
 
 logger = logging.getLogger("orchestrator._policy")
 

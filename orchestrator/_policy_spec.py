@@ -129,7 +129,7 @@ class PolicySpec:
         if pause:
             if kw.get("pause_model") is not None:
                 raise ValueError(f"policy {self}: pause.* options and a pause_model object both given")
-            from orchestrator._pause_model import PauseModel
+            from predictors import PauseModel
 
             kw["pause_model"] = PauseModel(**pause)
         kw.update((k, v) for k, v in self.options if not k.startswith("pause."))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hints import MAX_HORIZON_S
 from orchestrator._graph import ProgramGraph, ProgramState
-from orchestrator._pause_model import PauseModel
+from predictors import PauseModel
 
 __all__ = ["ProgramTracker", "role_of"]
 

@@ -28,12 +28,10 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine_adapter._executor import ScheduledBatch, StepOutput
-from engine_adapter._modeled_executor import ModeledExecutor
-from engine_adapter._scheduler import Request, RequestState
+from engine_adapter import ModeledExecutor, Request, RequestState, ScheduledBatch, StepOutput
 
 if TYPE_CHECKING:
-    from engine_adapter._engine import EngineCore
+    from engine_adapter import EngineCore
 
 __all__ = ["DecodeWindow", "apply_bulk_step", "plan_window", "window_cut"]
 

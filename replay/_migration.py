@@ -36,11 +36,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from engine_adapter._engine_errors import EngineError
-from engine_adapter._scheduler import Request
-from engine_adapter._session import SessionState
+from engine_adapter import EngineError, Request, SessionState
 from hints import Pin, Priority
-from orchestrator._router import RouteRequest
+from orchestrator import RouteRequest
 from replay._nodes import SimNode
 from replay._runs import SessionRun
 

@@ -31,12 +31,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine_adapter._cost_model import CostModel
-from engine_adapter._engine import EngineCore
-from engine_adapter._executor import Executor, ScheduledBatch, StepOutput, VirtualClock
-from engine_adapter._kv_manager import KVStats
-from engine_adapter._modeled_executor import ModeledExecutor
-from engine_adapter._scheduler import Request, SchedulerConfig
+from engine_adapter import (
+    CostModel,
+    EngineCore,
+    Executor,
+    KVStats,
+    ModeledExecutor,
+    Request,
+    ScheduledBatch,
+    SchedulerConfig,
+    StepOutput,
+    VirtualClock,
+)
 from replay._fast_forward import DecodeWindow, apply_bulk_step, plan_window, window_cut
 from replay._policies import ReplayConfig
 
@@ -284,11 +290,7 @@ def make_executor(spec: NodeSpec, num_device_blocks: int, num_host_blocks: int, 
                                max_model_len=spec.max_model_len, seed=seed)
     if spec.executor != "torch":
         raise ValueError(f"unknown executor {spec.executor!r}; known: modeled, torch")
-    from engine_adapter._torch_executor import (  # torch loads only here
-        TorchExecutor,
-        TorchModelConfig,
-        retain_freed_memory,
-    )
+    from engine_adapter import TorchExecutor, TorchModelConfig, retain_freed_memory
 
     if spec.torch_device == "cpu":
         retain_freed_memory()  # the replay steps torch nodes on its main thread (see there)

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator._policy_spec import POLICY_OPTIONS, Option, parse_options
+from orchestrator import POLICY_OPTIONS, Option, parse_options
 
 __all__ = [
     "REPLAY_CONFIGS",
@@ -154,7 +154,7 @@ def _scheduler_options() -> dict[str, Option]:
     them equal) with its type and lower bound: one place says what a scheduler setting accepts."""
     from annotated_types import Ge, Gt
 
-    from engine_adapter._config import SchedulerSettings
+    from engine_adapter import SchedulerSettings
 
     out: dict[str, Option] = {}
     for name, f in SchedulerSettings.model_fields.items():
@@ -173,7 +173,7 @@ SCHEDULER_OPTIONS: dict[str, Option] = _scheduler_options()
 
 
 def _config_options() -> dict[str, Option]:
-    from engine_adapter._eviction import EVICTION_POLICIES
+    from engine_adapter import EVICTION_POLICIES
     from orchestrator import POLICIES, ROUTING_POLICIES
 
     out = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_adapter._scheduler import Request
+from engine_adapter import Request
 from replay._trace import Program, Session
 
 __all__ = ["ProgramRun", "SessionRun", "TurnRecord"]

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine_adapter._cost_model import CostModel, load_cost_model
+from engine_adapter import CostModel, load_cost_model
 from replay._nodes import NodeSpec
 from replay._policies import ReplayConfig
 from replay._readers import read_workload
@@ -37,9 +37,9 @@ __all__ = ["EXECUTORS", "EXECUTOR_DEFAULTS", "TORCH_WORKLOAD_DEFAULTS", "WORKLOA
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
     # swe-agent: memory pressure as issue 4 asks (device KV a third of the live contexts, at least 1.25x the
-    # longest); vllm-default's across-turn hit rate is then about 25%, not Copilot's 55% (README says why).
+    # longest); vllm-default's across-turn hit rate is then about 25%, not Copilot's 55% (docs/benchmarks.md says why).
     # scale 0.25 (contexts of 2.5-10k tokens) keeps the 7-policy replay near a minute on 2 cores; the
-    # engine's per-step Python cost grows with context length (see README, replay figures).
+    # engine's per-step Python cost grows with context length (see docs/benchmarks.md, replay figures).
     "swe-agent": {"num_programs": 100, "rate": 0.5, "scale": 0.25},
     "multi-agent": {"num_programs": 300, "rate": 0.5},
     "human-in-loop": {"num_programs": 200, "rate": 0.5},

@@ -33,23 +33,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_adapter._executor import VirtualClock
-from engine_adapter._scheduler import Request
-from engine_adapter._session import Session
+from engine_adapter import Request, Session, VirtualClock
 from hints import EvictionOrder, HintModel, Pin, Release
 from orchestrator import (
     POLICIES,
     HintPolicy,
     PolicySpec,
+    PrefillEstimator,
     ProgramEnded,
+    Router,
+    RouteRequest,
     Tick,
     ToolEnded,
     ToolStarted,
     TurnEnded,
     TurnStarted,
 )
-from orchestrator._prefill import PrefillEstimator
-from orchestrator._router import Router, RouteRequest
 from replay._migration import Migrator
 from replay._nodes import NodeSpec, NodeTotals, SimNode, build_nodes
 from replay._policies import ReplayConfig

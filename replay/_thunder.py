@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine_adapter._kv_manager import SessionState
+from engine_adapter import SessionState
 from hints import Pin
 
 if TYPE_CHECKING:

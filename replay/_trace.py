@@ -1,6 +1,6 @@
 """The agent-workload trace: programs of sessions of turns, validated when built, stored one program a line.
 
-DESIGN.md's vocabulary: a *program* is one agent run, a *session* one continuing KV context inside it, a
+The vocabulary of docs/architecture.md: a *program* is one agent run, a *session* one continuing KV context inside it, a
 *turn* one model call.  A trace holds token counts and pause lengths, never text, because that is all a
 KV cache and a scheduler see: a turn's ``input_tokens`` are the tokens *appended* to its session's context
 before the call (on the first turn, the whole first prompt), so a replay can tell a reusable prefix from

@@ -2,9 +2,9 @@
 
 Why its own path: the modeled replay runs programs on virtual time over our schedulers; here the same
 programs (loaded with replay's readers and generators, ``read_workload``) become the vLLM agent
-benchmark's programs (``engine_adapter.vllm_backend._agent_workload.agent_programs``: token ids per turn,
+benchmark's programs (``replay._vllm_workload.agent_programs``: token ids per turn,
 outputs capped, pauses as in the trace, sessions with their ``after`` / ``join``) and run in real time
-against real vLLM OpenAI servers that ``_agent_bench.run_mode`` starts, one per policy, each with the same
+against real vLLM OpenAI servers that ``replay._vllm_bench.run_mode`` starts, one per policy, each with the same
 model and the same KV pool. The policies are the benchmark's modes: ``vanilla`` (stock vLLM),
 ``hintflow-infer`` (our scheduler, hints inferred from ``program_id`` / ``tool`` / ``is_last_turn``) and
 ``hintflow-orchestrator`` (our scheduler, the ``hintflow`` policy pushing hints over gRPC); each also as
@@ -73,7 +73,7 @@ def check_backend_options(ctx: click.Context, backend: str) -> None:
 def parse_modes(spec: str) -> list[str]:
     """``--policy`` for the vLLM backend: comma-separated benchmark modes (each optionally ``+host``), or
     ``all`` (every mode without the host tier)."""
-    from engine_adapter.vllm_backend._agent_bench import MODES
+    from replay._vllm_bench import MODES
 
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if names == ["all"]:
@@ -112,15 +112,15 @@ def run_vllm_replay(
     ``ValueError`` for a workload or sizes that cannot run, ``RuntimeError`` / ``TimeoutError`` when a
     server does not come up (with its log's tail).
     """
-    from engine_adapter.vllm_backend._agent_bench import (
+    from engine_adapter.vllm_backend import find_vllm_python
+    from replay._readers import read_workload
+    from replay._vllm_bench import (
         ensure_model,
         max_model_len_for,
         run_mode,
         verdict,
     )
-    from engine_adapter.vllm_backend._agent_workload import BLOCK, MAX_OUTPUT, agent_programs, pool_blocks_for
-    from engine_adapter.vllm_backend._serve import find_vllm_python
-    from replay._readers import read_workload
+    from replay._vllm_workload import BLOCK, MAX_OUTPUT, agent_programs, pool_blocks_for
 
     kind = workload.partition(":")[0]
     d = VLLM_WORKLOAD_DEFAULTS.get(kind, {})

@@ -17,8 +17,7 @@ import time
 
 import torch
 
-from engine_adapter._executor import ScheduledBatch, ScheduledSeq
-from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig, retain_freed_memory
+from engine_adapter import ScheduledBatch, ScheduledSeq, TorchExecutor, TorchModelConfig, retain_freed_memory
 
 CTX, BLOCKS_PER_SEQ, ROUNDS = 1000, 63, 100
 

@@ -22,9 +22,7 @@ import argparse
 from collections import defaultdict
 from collections.abc import Callable
 
-from replay._policies import parse_policy_list
-from replay._setup import ReplaySetup
-from replay._sim import Simulation
+from replay import ReplaySetup, Simulation, parse_policy_list
 
 
 class _Watched(Simulation):

@@ -74,8 +74,7 @@ SMALL_MODEL: dict[str, Any] = {
 @pytest_asyncio.fixture
 async def start_engine() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     """Start real torch engine nodes on 127.0.0.1 (port 0 unless given); all stopped at the test's end."""
-    from engine_adapter._config import build_engine, load_engine_config
-    from engine_adapter._server import start_node
+    from engine_adapter import build_engine, load_engine_config, start_node
 
     running: list[Any] = []
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from engine_adapter._engine import EngineCore
-from engine_adapter._scheduler import SchedulerConfig
+from engine_adapter import EngineCore, SchedulerConfig
 from hints import Release
 
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine_adapter._engine import EngineCore, EngineError
-from engine_adapter._executor import VirtualClock
-from engine_adapter._scheduler import SchedulerConfig
-from engine_adapter._torch_executor import make_torch_executor
-from hints import EvictionOrder, Expect, NextUse, Pin, Prefetch, Priority, Release
-from hints._convert import HintDecodeError
+from engine_adapter import EngineCore, EngineError, SchedulerConfig, VirtualClock, make_torch_executor
+from hints import EvictionOrder, Expect, HintDecodeError, NextUse, Pin, Prefetch, Priority, Release
 
 SESSIONS = [f"s{i}" for i in range(5)]
 PROGRAMS = {s: f"p{int(s[1:]) % 3}" for s in SESSIONS}

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from engine_adapter._cache_replay import replay_mooncake
+from engine_adapter import replay_mooncake
 from hintflow.cli import hintflow
 
 BS = 512
-MOONCAKE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake"
+CONVERSATION = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace_2000.jsonl"
 
 
 def write_trace(tmp_path: Path, requests: list[tuple[list[int], int]], name: str = "trace.jsonl") -> Path:
@@ -143,9 +143,7 @@ def test_malformed_line_names_its_line(tmp_path: Path, line: str, what: str) -> 
 
 
 def test_belady_never_below_lru_on_mooncake_conversation_trace() -> None:
-    trace = MOONCAKE / "conversation_trace.jsonl"
-    if not trace.exists():
-        pytest.skip(f"Mooncake trace not found at {trace} (shared data checkout absent)")
+    trace = CONVERSATION
     caps = [25_000, 100_000, 200_000, 400_000, 800_000, 1_600_000]
     result = replay_mooncake(trace, caps, limit=2000)
     assert result["num_requests"] == 2000

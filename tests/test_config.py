@@ -10,15 +10,15 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from engine_adapter._config import (
+from engine_adapter import (
     ConfigError,
     EngineConfig,
     ModelSettings,
+    SchedulerConfig,
     SchedulerSettings,
     build_engine,
     load_engine_config,
 )
-from engine_adapter._scheduler import SchedulerConfig
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,7 @@ def test_defaults() -> None:
 
 
 def test_model_settings_mirror_torch_model_config() -> None:
-    from engine_adapter._torch_executor import TorchModelConfig
+    from engine_adapter import TorchModelConfig
 
     torch_defaults = {f.name: f.default for f in dataclasses.fields(TorchModelConfig)}
     assert ModelSettings().model_dump() == torch_defaults
@@ -138,7 +138,7 @@ def test_build_torch_engine() -> None:
 def test_build_modeled_engine(tmp_path: Path) -> None:
     cost_model = pytest.importorskip("engine_adapter._cost_model")
     pytest.importorskip("engine_adapter._modeled_executor")
-    from engine_adapter._executor import VirtualClock
+    from engine_adapter import VirtualClock
 
     profile = cost_model.CostModel(
         name="test",

@@ -20,14 +20,23 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from engine_adapter._cost_model import load_cost_model
-from engine_adapter._engine import EngineCore, EngineError, InvalidArgument, ResourceExhausted
-from engine_adapter._executor import KVLayout, ScheduledBatch, StepOutput, VirtualClock
-from engine_adapter._modeled_executor import ModeledExecutor
-from engine_adapter._request import Request, RequestState
-from engine_adapter._scheduler import SchedulerConfig
-from engine_adapter._session import SessionState
-from engine_adapter._torch_executor import make_torch_executor
+from engine_adapter import (
+    EngineCore,
+    EngineError,
+    InvalidArgument,
+    KVLayout,
+    ModeledExecutor,
+    Request,
+    RequestState,
+    ResourceExhausted,
+    ScheduledBatch,
+    SchedulerConfig,
+    SessionState,
+    StepOutput,
+    VirtualClock,
+    load_cost_model,
+    make_torch_executor,
+)
 from hints import EvictionOrder, NextUse, Pin, Prefetch, Priority, Release, cache_state_to_proto
 from tests.engine_support import deadline_scheduler_config, release_everything
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from workflows._api import LLMResult
-from workflows.examples._common import ProgramReport
+from workflows import LLMResult
+from workflows.examples import ProgramReport
 
 
 def test_history_not_found_counts_as_recomputed_even_where_the_node_never_saw_it() -> None:

@@ -10,9 +10,7 @@ import json
 
 import pytest
 
-from replay import REPLAY_CONFIGS, ReplaySetup, get_replay_config
-from replay._report import metrics
-from replay._sim import Simulation
+from replay import REPLAY_CONFIGS, ReplaySetup, Simulation, get_replay_config, metrics
 
 
 def _replay(workload: str, policy: str, fast_forward: bool, **setup_kw: object):  # type: ignore[no-untyped-def]

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapter._block_pool import BlockPool, KeyedFreeQueue, hash_block_tokens
+from engine_adapter import BlockPool, KeyedFreeQueue, KVCacheManager, Session, VirtualClock, hash_block_tokens
 from engine_adapter._eviction import SessionHeap, predicted_next_use
-from engine_adapter._executor import VirtualClock
-from engine_adapter._kv_manager import KVCacheManager, Session
 
 BS = 4
 

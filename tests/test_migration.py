@@ -10,12 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from engine_adapter._engine import EngineCore
-from engine_adapter._engine_errors import ResourceExhausted
-from replay import Program, ReplaySetup, generate, get_replay_config, report_json, run_replay
+from engine_adapter import EngineCore, ResourceExhausted
+from replay import (
+    Program,
+    ReplaySetup,
+    SimResult,
+    Simulation,
+    generate,
+    get_replay_config,
+    parse_variant,
+    report_json,
+    run_replay,
+)
 from replay._migration import Migrator
-from replay._policies import parse_variant
-from replay._sim import SimResult, Simulation
 
 
 def _programs(n: int = 24) -> list[Program]:
@@ -180,7 +187,7 @@ def test_link_rate_prices_a_migration_by_the_cost_model_s_kv_bytes(tmp_path) -> 
 def test_cli_rejects_a_link_rate_that_is_not_positive() -> None:
     from click.testing import CliRunner
 
-    from replay._cli import replay_command
+    from replay import replay_command
 
     out = CliRunner().invoke(replay_command, ["--link-gb-per-s", "0", "--no-progress"])
     assert out.exit_code == 2 and "--link-gb-per-s" in out.output

@@ -13,11 +13,20 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from engine_adapter._cost_model import CostModel, bundled_profiles, load_cost_model
-from engine_adapter._executor import CopyOp, Executor, KVLayout, ScheduledBatch, ScheduledSeq
-from engine_adapter._modeled_executor import ModeledExecutor
-from engine_adapter._profile import profile_torch_executor
-from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig
+from engine_adapter import (
+    CopyOp,
+    CostModel,
+    Executor,
+    KVLayout,
+    ModeledExecutor,
+    ScheduledBatch,
+    ScheduledSeq,
+    TorchExecutor,
+    TorchModelConfig,
+    bundled_profiles,
+    load_cost_model,
+    profile_torch_executor,
+)
 
 A, B, C = 1e-3, 1e-5, 1e-8
 BASE, PER_SEQ, PER_CTX, COPY = 2e-3, 1e-4, 1e-7, 5e-5
@@ -100,7 +109,7 @@ def test_mixed_step(cm: CostModel) -> None:
 
 def test_modeled_node_reports_its_cost_model_s_copy_back(cm: CostModel) -> None:
     """The CacheState's host_reload_s_per_token is the clock's own copy cost, 0 without a host tier."""
-    from engine_adapter._engine import EngineCore
+    from engine_adapter import EngineCore
 
     with_tier = ModeledExecutor(cm, num_device_blocks=8, num_host_blocks=4)
     assert with_tier.host_reload_s_per_token == pytest.approx(COPY / 16)

@@ -7,8 +7,7 @@ import math
 import pytest
 
 from hints import EvictionOrder, Pin, Prefetch, Priority, Release
-from orchestrator._pause_model import PauseModel
-from orchestrator._policy import (
+from orchestrator import (
     POLICIES,
     HintPolicy,
     ProgramEnded,
@@ -19,6 +18,7 @@ from orchestrator._policy import (
     TurnStarted,
     get_policy,
 )
+from predictors import PauseModel
 
 P, S = "prog-1", "sess-1"
 
@@ -289,7 +289,7 @@ def test_hintflow_pins_at_turn_end_once_the_graph_knows_a_tool_follows() -> None
 
 
 def test_kvflow_steps_are_steps_to_execution_over_the_event_dag() -> None:
-    from orchestrator._graph import steps_to_execution
+    from orchestrator import steps_to_execution
 
     policy = get_policy("kvflow")
     events = [TurnStarted(P, "a", 0.0, 100), TurnEnded(P, "a", 1.0, 110), ToolStarted(P, "a", "bash", 1.0, 110),
@@ -324,8 +324,8 @@ def test_kvflow_sends_a_finished_agent_first_when_its_framework_says_so() -> Non
 
 
 def test_hintflow_reprices_pins_when_its_nodes_gain_a_host_tier_and_keeps_what_it_learned() -> None:
-    from orchestrator._ttl import ContinuumTTL
-    from orchestrator._ttl import HostTierTTL as _HostTierTTL
+    from predictors import ContinuumTTL
+    from predictors import HostTierTTL as _HostTierTTL
 
     policy = get_policy("hintflow", prefill_reload=lambda n: 10.0)
     for n in (3, 5, 8, 13, 2, 7, 4, 9, 6, 11, 3, 5):

@@ -10,14 +10,22 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from engine_adapter._scheduler import SchedulerConfig
+from engine_adapter import SchedulerConfig
 from orchestrator import POLICIES, POLICY_OPTIONS, PauseModel, PolicySpec, get_policy, parse_policy_spec
 from orchestrator._policy_base import _BasePolicy
-from replay import ReplaySetup, generate, get_replay_config, report_json, run_replay
-from replay._cli import replay_command
-from replay._nodes import NodeSpec
-from replay._policies import SCHEDULER_OPTIONS, parse_policy_list, parse_variant
-from replay._sim import Simulation
+from replay import (
+    SCHEDULER_OPTIONS,
+    NodeSpec,
+    ReplaySetup,
+    Simulation,
+    generate,
+    get_replay_config,
+    parse_policy_list,
+    parse_variant,
+    replay_command,
+    report_json,
+    run_replay,
+)
 
 
 def test_a_spec_builds_its_policy_with_its_options_winning_over_the_callers() -> None:
@@ -139,7 +147,7 @@ def test_cli_variants(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ("continuum", "hintflow"),
 ])
 def test_a_run_routes_as_its_policy_s_system_does(policy: str, routing: str) -> None:
-    from hintflow._run import make_runtime
+    from hintflow import make_runtime
 
     runtime = make_runtime(["127.0.0.1:1"], policy, None)
     assert runtime.router.policy.name == routing

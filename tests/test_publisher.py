@@ -16,9 +16,7 @@ from typing import Any, ClassVar
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine_adapter._config import build_engine, load_engine_config
-from engine_adapter._engine import EngineCore
-from engine_adapter._server import RunningNode, start_node
+from engine_adapter import EngineCore, RunningNode, build_engine, load_engine_config, start_node
 from hints import (
     EngineClient,
     EvictionOrder,

@@ -18,10 +18,10 @@ from replay import (
     Turn,
     generate,
     get_replay_config,
+    replay_command,
     report_json,
     run_replay,
 )
-from replay._cli import replay_command
 
 ALL = list(REPLAY_CONFIGS.values())
 
@@ -109,7 +109,7 @@ def test_nodes_hold_invariants_and_leak_nothing(all_results) -> None:  # type: i
 def test_clairvoyant_row_submits_each_turn_with_its_program_s_true_remaining_work(monkeypatch) -> None:
     """The analysis row's priority is the trace's remaining work at batch one (prefill, decode, pauses): it
     shrinks turn by turn, and equals the formula on the first turn; the other rows send no priority."""
-    from engine_adapter._engine import EngineCore
+    from engine_adapter import EngineCore
 
     seen: dict[str, list[int | None]] = {}
     submit = EngineCore.submit
@@ -280,7 +280,7 @@ def test_cli_refuses_misplaced_options(args: list[str], message: str) -> None:
 
 
 def test_a_hit_rate_of_no_tokens_reads_n_a_in_the_table(all_results) -> None:  # type: ignore[no-untyped-def]
-    from replay._report import render_table
+    from replay import render_table
 
     _, (setup, results) = all_results
     report = report_json(setup, results[:1])

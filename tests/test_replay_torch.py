@@ -16,12 +16,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from engine_adapter._torch_executor import TorchExecutor
-from replay import Program, generate, get_replay_config
-from replay._cli import replay_command
-from replay._report import report_json
+from engine_adapter import TorchExecutor
+from replay import Program, Simulation, generate, get_replay_config, replay_command, report_json
 from replay._setup import ReplaySetup, longest_request_tokens, run_replay
-from replay._sim import Simulation
 
 POLICIES = ("vllm-default", "hintflow")
 

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from engine_adapter.vllm_backend._agent_client import run_program
-from engine_adapter.vllm_backend._agent_workload import (
+from replay import Program, Session, Turn, dump_jsonl, generate, read_workload, replay_command
+from replay._vllm_agents import run_program
+from replay._vllm_workload import (
     MAX_OUTPUT,
     AgentProgram,
     AgentSession,
@@ -34,7 +35,6 @@ from engine_adapter.vllm_backend._agent_workload import (
     export_trace,
     pool_blocks_for,
 )
-from replay import Program, Session, Turn, dump_jsonl, generate, read_workload, replay_command
 
 
 def _trace_programs() -> list[Program]:

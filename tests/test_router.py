@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from hints import CacheState, SessionResidency
-from orchestrator._router import (
+from orchestrator import (
     ROUTING_POLICIES,
     NoNodeAvailable,
     Router,

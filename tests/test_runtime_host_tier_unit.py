@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workflows._runtime import HintRuntime
+from workflows import HintRuntime
 
 
 def test_pins_are_priced_by_the_copy_only_when_every_engine_has_a_host_tier() -> None:
@@ -22,7 +22,7 @@ def test_pins_are_priced_by_the_copy_only_when_every_engine_has_a_host_tier() ->
 
 
 def test_a_policy_object_passed_in_is_left_as_configured() -> None:
-    from orchestrator._policy import get_policy
+    from orchestrator import get_policy
 
     mine = get_policy("hintflow")
     rt = HintRuntime(["127.0.0.1:1"], policy=mine)
@@ -43,7 +43,7 @@ def _state(node_id: str, host_reload_s_per_token: float, on_host: str = ""):  # 
 def test_pins_and_routes_use_each_node_s_own_reload_cost_once_it_reports_one() -> None:
     """A node's CacheState carries its copy-back cost (a torch node measures it): the router prices a
     context on that node's host by it, and the pins by the slowest node's, read at each decision."""
-    from orchestrator._router import RouteRequest
+    from orchestrator import RouteRequest
 
     a, b = "127.0.0.1:1", "127.0.0.1:2"
     rt = HintRuntime([a, b])

@@ -44,9 +44,7 @@ from tests.review_workflows import (
     RaisesPlain,
     WaitsForever,
 )
-from workflows import HintflowPlugin, HintRuntime, LLMInput
-from workflows._plugin import HintflowActivities
-from workflows._runtime import InvalidPrompt
+from workflows import HintflowActivities, HintflowPlugin, HintRuntime, InvalidPrompt, LLMInput
 from workflows.examples import (
     CodingAgent,
     CodingAgentInput,

@@ -6,10 +6,15 @@ import random
 
 import pytest
 
-from engine_adapter._engine import EngineCore, InvalidArgument
-from engine_adapter._executor import ScheduledBatch, VirtualClock
-from engine_adapter._scheduler import Request, SchedulerConfig
-from engine_adapter._torch_executor import make_torch_executor
+from engine_adapter import (
+    EngineCore,
+    InvalidArgument,
+    Request,
+    ScheduledBatch,
+    SchedulerConfig,
+    VirtualClock,
+    make_torch_executor,
+)
 from hints import Pin, Priority
 
 

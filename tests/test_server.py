@@ -25,9 +25,7 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine_adapter._config import build_engine, load_engine_config
-from engine_adapter._engine import EngineCore
-from engine_adapter._server import RunningNode, start_node
+from engine_adapter import EngineCore, RunningNode, build_engine, load_engine_config, start_node
 from hints import EngineClient, Pin, engine_pb2
 
 MODEL: dict[str, Any] = {

@@ -9,8 +9,15 @@ import random
 import pytest
 import torch
 
-from engine_adapter._executor import CopyOp, Executor, ScheduledBatch, ScheduledSeq
-from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig, make_torch_executor
+from engine_adapter import (
+    CopyOp,
+    Executor,
+    ScheduledBatch,
+    ScheduledSeq,
+    TorchExecutor,
+    TorchModelConfig,
+    make_torch_executor,
+)
 
 # HINTFLOW_TEST_DEVICE=cuda runs these on a GPU (scripts/device_profile.sh check); CI runs them on the CPU.
 DEVICE = os.environ.get("HINTFLOW_TEST_DEVICE", "cpu")
@@ -269,6 +276,6 @@ def test_validation_errors(ex: TorchExecutor) -> None:
 def test_freed_memory_can_be_kept_in_the_heap() -> None:
     """glibc takes the raised thresholds (on Linux with glibc, as here and in CI); the torch replay and the
     profiler ask for it, as they step on the main thread."""
-    from engine_adapter._torch_executor import retain_freed_memory
+    from engine_adapter import retain_freed_memory
 
     assert retain_freed_memory() is True

@@ -24,12 +24,20 @@ from typing import Any
 import pytest
 import torch
 
-from engine_adapter._engine import EngineCore, EngineError
-from engine_adapter._executor import ScheduledBatch, StepOutput, VirtualClock
-from engine_adapter._request import Request, RequestState
-from engine_adapter._scheduler import SchedulerConfig
-from engine_adapter._session import SessionState
-from engine_adapter._torch_executor import TorchExecutor, TorchModelConfig, make_torch_executor
+from engine_adapter import (
+    EngineCore,
+    EngineError,
+    Request,
+    RequestState,
+    ScheduledBatch,
+    SchedulerConfig,
+    SessionState,
+    StepOutput,
+    TorchExecutor,
+    TorchModelConfig,
+    VirtualClock,
+    make_torch_executor,
+)
 from hints import EvictionOrder, NextUse, Pin, Prefetch, Priority, Release
 from tests.engine_support import deadline_scheduler_config, release_everything
 

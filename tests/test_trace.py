@@ -31,8 +31,7 @@ from replay import (
     read_workload,
 )
 
-MOONCAKE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake"
-CONVERSATION = MOONCAKE / "conversation_trace.jsonl"
+CONVERSATION = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace_2000.jsonl"
 
 
 def one_session(*turns: Turn, program_id: str = "p") -> Program:

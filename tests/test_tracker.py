@@ -7,8 +7,16 @@ import math
 import pytest
 
 from hints import MAX_HORIZON_S, EvictionOrder
-from orchestrator import PauseModel, ProgramEnded, Tick, TurnEnded, TurnStarted, get_policy
-from orchestrator._tracker import ProgramTracker, role_of
+from orchestrator import (
+    PauseModel,
+    ProgramEnded,
+    ProgramTracker,
+    Tick,
+    TurnEnded,
+    TurnStarted,
+    get_policy,
+    role_of,
+)
 
 
 def test_role_of() -> None:

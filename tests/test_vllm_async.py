@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from engine_adapter.vllm_backend._serve import ASYNC_SCHEDULER_CLS, REPO
+from engine_adapter.vllm_backend import ASYNC_SCHEDULER_CLS, REPO
 
 BS = 128  # vLLM's CPU block size
 NUM_BLOCKS = 32  # 31 usable: vLLM keeps one null block

@@ -129,8 +129,7 @@ def shared_node(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config)
     if "node" in _SHARED:
         return _SHARED["node"]
     assert VLLM_PYTHON is not None
-    from engine_adapter.vllm_backend._kv_events import kv_events_config
-    from engine_adapter.vllm_backend._kv_subscriber import KvEventSubscriber
+    from engine_adapter.vllm_backend import KvEventSubscriber, kv_events_config
 
     root = tmp_path_factory.mktemp("vllm")
     model = tiny_model(tmp_path_factory, VLLM_PYTHON)

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from hints import CacheState, VllmClient, VllmFailed, VllmRejected, VllmUnreachable, parse_engine
-from hints._nodes import EngineSpec
+from hints import CacheState, EngineSpec, VllmClient, VllmFailed, VllmRejected, VllmUnreachable, parse_engine
 
 
 def test_parse_engine_names_embedded_and_vllm_nodes() -> None:
@@ -139,8 +138,7 @@ async def test_vllm_client_sends_the_turn_and_reads_tokens_cache_hits_and_errors
 
 
 async def test_hint_runtime_runs_a_vllm_nodes_turn_over_http_and_maps_its_errors(fake: Any) -> None:
-    from workflows._api import LLMInput
-    from workflows._runtime import EngineUnavailable, HintRuntime, InvalidPrompt, turn_client
+    from workflows import EngineUnavailable, HintRuntime, InvalidPrompt, LLMInput, turn_client
 
     base, _ = fake
     dead = f"vllm+http://127.0.0.1:{_closed_port()}?hints=127.0.0.1:1"

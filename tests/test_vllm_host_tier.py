@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from engine_adapter.vllm_backend._serve import REPO, SCHEDULER_CLS
+from engine_adapter.vllm_backend import REPO, SCHEDULER_CLS
 
 NUM_BLOCKS = 24
 HOST_TOKENS = 20_000
@@ -46,7 +46,7 @@ def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> 
     from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
 
     kw: dict[str, Any] = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
-    from engine_adapter.vllm_backend._host_index import host_tier_config
+    from engine_adapter.vllm_backend import host_tier_config
 
     # gpu_memory_utilization: on the CPU backend, the share of the machine's memory vLLM reserves (the default
     # 0.92 fails whenever anything else runs)
@@ -191,7 +191,7 @@ def test_the_routers_cache_state_shows_the_host_tier(report: dict[str, Any]) -> 
     assert st["host_total_blocks"] == HOST_TOKENS // 128
     assert 0 < st["host_free_blocks"] < st["host_total_blocks"]
     assert st["pa_host_tokens"] >= 1280  # program pa's 11 full blocks, flooded off the device
-    from engine_adapter.vllm_backend._host_index import HOST_RELOAD_S_PER_TOKEN
+    from engine_adapter.vllm_backend import HOST_RELOAD_S_PER_TOKEN
 
     assert st["host_reload_s_per_token"] == HOST_RELOAD_S_PER_TOKEN  # the node's one figure, for the router
 

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import zmq
 
+from engine_adapter.vllm_backend import KvEventSubscriber
 from engine_adapter.vllm_backend._kv_events import KvResidency, decode_event_batch
-from engine_adapter.vllm_backend._kv_subscriber import KvEventSubscriber
 
 BS = 4
 

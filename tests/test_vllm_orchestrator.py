@@ -43,7 +43,7 @@ def _total(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
 
 async def _started(runtime: Any, timeout_s: float = 15.0) -> None:
     """Start the runtime and wait until its router has the node's cache state."""
-    from orchestrator._router import RouteRequest
+    from orchestrator import RouteRequest
 
     await runtime.start()
     deadline = time.monotonic() + timeout_s
@@ -149,9 +149,7 @@ async def test_coding_agent_on_temporal_runs_every_turn_on_the_vllm_node(
 
 
 async def test_runtime_generate_on_vllm_returns_the_embedded_result_and_maps_errors(node: Node) -> None:
-    from workflows import HintRuntime
-    from workflows._api import LLMInput
-    from workflows._runtime import EngineUnavailable, InvalidPrompt
+    from workflows import EngineUnavailable, HintRuntime, InvalidPrompt, LLMInput
 
     spec = _spec(node)
     runtime = HintRuntime([spec], "vllm-default", watch_interval_s=0.2)

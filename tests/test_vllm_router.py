@@ -130,10 +130,9 @@ def test_watch_cache_state_streams_a_sessions_residency_on_change(node: Node) ->
 
 async def test_hint_runtime_routes_to_the_vllm_node_holding_the_session(node: Node) -> None:
     """A mixed fleet: the vLLM node (hint service address) and an embedded modeled node, one router."""
-    from engine_adapter._config import build_engine, load_engine_config
-    from engine_adapter._server import start_node
-    from orchestrator._router import RouteRequest
-    from workflows._runtime import HintRuntime
+    from engine_adapter import build_engine, load_engine_config, start_node
+    from orchestrator import RouteRequest
+    from workflows import HintRuntime
 
     cfg = load_engine_config(
         None, node_id="emb", executor="modeled", num_device_blocks=64, pace_modeled=False
@@ -167,7 +166,7 @@ async def test_hint_runtime_routes_to_the_vllm_node_holding_the_session(node: No
 
 
 def test_kv_events_residency_matches_the_prefix_hit_and_the_sidecar_serves_it(node: Node) -> None:
-    from engine_adapter.vllm_backend._kv_sidecar import serve_sidecar
+    from engine_adapter.vllm_backend import serve_sidecar
 
     assert node.state().pinned_blocks == 0  # nothing pinned: the flood below can evict everything
     p = _prompt(63, 5 * BS + 10)

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from engine_adapter.vllm_backend._serve import REPO
+from engine_adapter.vllm_backend import REPO
 from tests.test_vllm_async import BS, _Engine, _prompt, _scheduler
 
 # ---- in the vLLM venv ----------------------------------------------------------------------------------
@@ -268,8 +268,8 @@ def _host_tier(model: str) -> dict[str, Any]:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # type: ignore[import-not-found]
     from vllm.engine.arg_utils import EngineArgs  # type: ignore[import-not-found]
 
+    from engine_adapter.vllm_backend import host_tier_config
     from engine_adapter.vllm_backend._host_connector import HintflowHostTier
-    from engine_adapter.vllm_backend._host_index import host_tier_config
 
     args = EngineArgs(
         model=model, dtype="float32", enforce_eager=True, max_model_len=2048,

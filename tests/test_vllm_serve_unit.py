@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from engine_adapter.vllm_backend import _serve
-from engine_adapter.vllm_backend._serve import (
+from engine_adapter.vllm_backend import (
     ASYNC_SCHEDULER_CLS,
     AUTO_SCHEDULER_CLS,
     SCHEDULER_CLS,
+    _serve,
     build_vllm_command,
 )
 from hintflow.cli import hintflow

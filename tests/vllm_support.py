@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 # no vLLM import in _serve: safe here
-from engine_adapter.vllm_backend._serve import (
+from engine_adapter.vllm_backend import (
     REPO,
     build_vllm_command,
     find_vllm_python,

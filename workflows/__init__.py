@@ -15,7 +15,7 @@ Worker-side names are loaded on first use so that workflow code never imports gr
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workflows._api import (
     LLMInput,
@@ -33,6 +33,11 @@ from workflows._api import (
     tool,
 )
 
+if TYPE_CHECKING:
+    from workflows._plugin import HintflowActivities, HintflowInterceptor, HintflowPlugin
+    from workflows._publisher import HintPublisher
+    from workflows._runtime import EngineUnavailable, HintRuntime, InvalidPrompt, ProgramStats, turn_client
+
 _LAZY = {
     "HintflowPlugin": "workflows._plugin",
     "HintflowInterceptor": "workflows._plugin",
@@ -40,6 +45,8 @@ _LAZY = {
     "HintRuntime": "workflows._runtime",
     "ProgramStats": "workflows._runtime",
     "EngineUnavailable": "workflows._runtime",
+    "InvalidPrompt": "workflows._runtime",
+    "turn_client": "workflows._runtime",
     "HintPublisher": "workflows._publisher",
 }
 
@@ -50,6 +57,7 @@ __all__ = [
     "HintflowActivities",
     "HintflowInterceptor",
     "HintflowPlugin",
+    "InvalidPrompt",
     "LLMInput",
     "LLMResult",
     "PauseInput",
@@ -64,6 +72,7 @@ __all__ = [
     "pause",
     "session",
     "tool",
+    "turn_client",
 ]
 
 

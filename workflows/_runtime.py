@@ -71,8 +71,12 @@ from hints import (
 from orchestrator import (
     POLICIES,
     HintPolicy,
+    NoNodeAvailable,
     PauseModel,
+    PrefillEstimator,
     ProgramEnded,
+    Router,
+    RouteRequest,
     Tick,
     ToolEnded,
     ToolStarted,
@@ -80,8 +84,6 @@ from orchestrator import (
     TurnStarted,
     get_policy,
 )
-from orchestrator._prefill import PrefillEstimator
-from orchestrator._router import NoNodeAvailable, Router, RouteRequest
 from workflows._api import LLMInput, LLMResult, decode_text
 from workflows._publisher import HintPublisher
 

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from pydantic import ValidationError
 
-from hints import CacheState, cache_state_to_proto
-from hints._models import SessionResidency
+from hints import CacheState, SessionResidency, cache_state_to_proto
 
 if TYPE_CHECKING:
     from ._hint_scheduler import HintSchedulerMixin

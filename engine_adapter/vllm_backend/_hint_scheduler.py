@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from hints._models import OptionalProgramId, SessionId
+from hints import OptionalProgramId, SessionId
 
 from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, PRIORITY_SCALE, QueueRules
@@ -88,7 +88,7 @@ _PROGRAM_ID: TypeAdapter[str] = TypeAdapter(OptionalProgramId)
 AGING_S = 3.0
 """Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
 first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
-for 35 s at p99 under overload (README); a few seconds keeps most of FCFS's benefit for returning turns."""
+for 35 s at p99 under overload (docs/benchmarks.md); a few seconds keeps most of FCFS's benefit for returning turns."""
 PIN_BUDGET = 0.7
 """Default share of the pool pins may hold. 0.5 held ~4 of ~30 live contexts under overload; with the
 admission guard limiting how many programs are in flight, and the yield and deadlock rules returning

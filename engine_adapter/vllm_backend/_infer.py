@@ -34,8 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator._pause_model import PauseModel
-from orchestrator._ttl import ContinuumTTL, HostTierTTL
+from predictors import ContinuumTTL, HostTierTTL, PauseModel
 
 from ._sessions import SessionBook, VSession
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from hints._models import SessionId, SessionResidency
+from hints import SessionId, SessionResidency
 
 __all__ = [
     "CPU",

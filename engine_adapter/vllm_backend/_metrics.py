@@ -18,7 +18,7 @@ up a second time on vLLM's own ``/metrics``.
 The host tier (``hintflow_kv_host_*``, ``hintflow_offloaded_blocks_total`` (here: copied to the host as they
 fill), ``hintflow_reloaded_blocks_total``, ``host_hit`` prompt tokens) is read from hintflow's host
 KV connector (``_host_connector``) when the server runs one, and is absent otherwise. What has no
-source without a scheduler hook (see the README): ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_sidecar``
+source without a scheduler hook (see docs/metrics.md): ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_sidecar``
 counts it from ``BlockRemoved``), ``hintflow_preemptions_total`` (``vllm:num_preemptions_total``) and
 the step duration.
 """

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from orchestrator._pause_model import PauseDistribution, PauseModel
+from predictors._pause_model import PauseDistribution, PauseModel
 
 __all__ = ["ContinuumTTL", "HostTierTTL", "continuum_tau"]
 

@@ -13,7 +13,7 @@ policy fed with the client's events pushes hints over gRPC; the client adds only
 mode with ``+host`` (``vanilla+host``, ...) adds hintflow's host KV tier (``_host_connector``) of
 ``--host-capacity-tokens`` (default: every program's longest context, i.e. host memory for all of them).
 
-    python -m engine_adapter.vllm_backend._agent_bench --out report.json   # see --help
+    hintflow engine vllm-bench --out report.json   # see --help
 """
 
 from __future__ import annotations
@@ -32,8 +32,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ._agent_client import HintPusher, ProgramResult, run_program
-from ._agent_workload import (
+from engine_adapter.vllm_backend import (
+    HOST_RELOAD_S_PER_TOKEN,
+    REPO,
+    build_vllm_command,
+    start_vllm,
+    stop_vllm,
+    wait_healthy,
+)
+from replay._vllm_agents import HintPusher, ProgramResult, run_program
+from replay._vllm_workload import (
     BLOCK,
     AgentProgram,
     builtin_programs,
@@ -41,8 +49,6 @@ from ._agent_workload import (
     pool_blocks_for,
     swe_agent_programs,
 )
-from ._host_index import HOST_RELOAD_S_PER_TOKEN
-from ._serve import REPO, build_vllm_command, start_vllm, stop_vllm, wait_healthy
 
 __all__ = ["MODES", "ensure_model", "main", "max_model_len_for", "run_mode", "summarize", "verdict"]
 

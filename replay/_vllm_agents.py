@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._agent_workload import AgentProgram, AgentSession
+from replay._vllm_workload import AgentProgram, AgentSession
 
 __all__ = ["HintPusher", "ProgramResult", "TurnResult", "run_program"]
 
@@ -65,7 +65,7 @@ class HintPusher:
         import grpc
 
         from hints import engine_pb2_grpc
-        from orchestrator._policy import get_policy
+        from orchestrator import get_policy
 
         host = None if host_s_per_token is None else (lambda n: host_s_per_token * n)
         self.policy = get_policy(policy_name, prefill_reload=lambda n: s_per_token * n, host_reload=host)
@@ -84,7 +84,7 @@ class HintPusher:
         self.events.put(ev)
 
     def _run(self) -> None:
-        from orchestrator._policy import Tick
+        from orchestrator import Tick
 
         t0 = time.monotonic()
         next_tick = 0.0
@@ -162,7 +162,7 @@ def _run_session(
     ``sid`` is the request's ``session_id``; ``is_last_program_turn()`` (asked before the session's last
     turn) says whether no other session of the program is left, which is when ``infer`` mode flags it.
     """
-    from orchestrator._policy import ToolEnded, ToolStarted, TurnEnded, TurnStarted
+    from orchestrator import ToolEnded, ToolStarted, TurnEnded, TurnStarted
 
     context: list[int] = []
 
@@ -216,7 +216,7 @@ def run_program(
     its ``session_id`` is ``PROGRAM/SESSION``. The first error ends the program: sessions not yet started
     never start, running ones finish their turns, and the result carries the error.
     """
-    from orchestrator._policy import ProgramEnded
+    from orchestrator import ProgramEnded
 
     time.sleep(max(0.0, t0 + prog.arrival_s - time.monotonic()))
     res = ProgramResult(prog.program_id, prog.arrival_s)

@@ -204,7 +204,7 @@ def swe_agent_programs(
 ) -> list[AgentProgram]:
     """``replay``'s swe-agent programs with token counts times ``scale`` and pauses times ``pause_scale``.
 
-    Every token random, the shared system prompt too (as measured in the README; ``agent_programs``
+    Every token random, the shared system prompt too (as measured in docs/benchmarks.md; ``agent_programs``
     shares it)."""
     from replay._generators import generate
 

@@ -1,0 +1,26 @@
+"""Pure predictors that both sides of hintflow use: the pause model and Continuum's TTL cost model.
+
+The orchestrator's policies and the vLLM node's engine-side hint inference
+(``engine_adapter.vllm_backend``) decide pins from the same two objects, so they live here, in a package
+that imports nothing else of ours (numpy only): an engine node runs without the orchestrator. See
+docs/architecture.md, "Which package may import which".
+"""
+
+from predictors._pause_model import (
+    EmpiricalDistribution,
+    ExponentialDistribution,
+    PauseDistribution,
+    PauseModel,
+)
+from predictors._ttl import DEFAULT_RENEW_QUANTILE, ContinuumTTL, HostTierTTL, continuum_tau
+
+__all__ = [
+    "DEFAULT_RENEW_QUANTILE",
+    "ContinuumTTL",
+    "EmpiricalDistribution",
+    "ExponentialDistribution",
+    "HostTierTTL",
+    "PauseDistribution",
+    "PauseModel",
+    "continuum_tau",
+]
