@@ -37,12 +37,21 @@ from replay._trace import JOIN_KINDS, JoinKind, Program, Session, TraceError, Tu
 if TYPE_CHECKING:
     from replay._cli import replay_command, writable_parent
     from replay._nodes import NodeSpec
-    from replay._report import REQUIRED_KEYS, metrics, render_table, report_json, write_plots
+    from replay._report import (
+        ANALYSIS_ROWS,
+        REQUIRED_KEYS,
+        bound_note,
+        metrics,
+        render_table,
+        report_json,
+        write_plots,
+    )
     from replay._setup import WORKLOAD_DEFAULTS, ReplaySetup, estimate_live_context_tokens, run_replay
     from replay._sim import SimResult, Simulation
     from replay._vllm_bench import main as vllm_bench_main
 
 __all__ = [
+    "ANALYSIS_ROWS",
     "GENERATORS",
     "JOIN_KINDS",
     "MOONCAKE_BLOCK_SIZE",
@@ -64,6 +73,7 @@ __all__ = [
     "TraceError",
     "Turn",
     "WorkloadGenerator",
+    "bound_note",
     "capped_lognormal_moments",
     "dump_jsonl",
     "estimate_live_context_tokens",
@@ -96,7 +106,7 @@ __all__ = [
 # importing the trace format, or starting the `hintflow` command line, does not pay for it.
 # name -> (module, attribute)
 _LAZY: dict[str, tuple[str, str]] = {
-    **{n: ("replay._report", n) for n in ("REQUIRED_KEYS", "metrics", "render_table", "report_json", "write_plots")},
+    **{n: ("replay._report", n) for n in ("ANALYSIS_ROWS", "REQUIRED_KEYS", "bound_note", "metrics", "render_table", "report_json", "write_plots")},
     **{n: ("replay._setup", n) for n in ("WORKLOAD_DEFAULTS", "ReplaySetup", "estimate_live_context_tokens", "run_replay")},
     **{n: ("replay._sim", n) for n in ("SimResult", "Simulation")},
     "NodeSpec": ("replay._nodes", "NodeSpec"),

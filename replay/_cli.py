@@ -129,6 +129,7 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
         vllm_replay(ctx, _tqdm_progress(progress))
         return
     from replay._report import (
+        bound_note,
         dump_json,
         oracle_note,
         overload_note,
@@ -172,7 +173,7 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
                f"host {setup.host_capacity_tokens:,} tokens/node, cost model {setup.cost_model}, "
                f"{wall_s:.1f} s wall")
     click.echo(render_table(report))
-    for note in (overload_note(report), oracle_note(report)):
+    for note in (overload_note(report), oracle_note(report), bound_note(report)):
         if note:
             click.echo(note)
     if executor == "torch":

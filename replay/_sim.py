@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapter import Request, Session, VirtualClock
-from hints import EvictionOrder, HintModel, Pin, Release
+from hints import MAX_HORIZON_S, EvictionOrder, HintModel, NextUse, Pin, Release
 from orchestrator import (
     POLICIES,
     HintPolicy,
@@ -97,7 +97,7 @@ class Simulation:
         cm = spec.cost_model
         self.prefill = PrefillEstimator(cm.prefill_reload_s)
         host_reload = None
-        if config.host_tier:
+        if config.host_tier and spec.num_host_tokens > 0:  # (a tier of no bytes reloads nothing)
             per_token_s = cm.copy_per_block_s / cm.block_size
             host_reload = lambda n: per_token_s * n  # noqa: E731
         self.policy: HintPolicy = PolicySpec(config.hint_policy, config.policy_options).build(
@@ -208,8 +208,28 @@ class Simulation:
     # ---- policy and hints ----------------------------------------------------------------------------
     def feed(self, event: Any) -> None:
         hints = self.policy.on_event(event)
+        if self.config.true_next_use:
+            hints = self._true_next_use(event, hints)
         if hints:
             self.publish(hints)
+
+    def _true_next_use(self, event: Any, hints: Sequence[HintModel]) -> list[HintModel]:
+        """The ``bound`` row: a session in a tool pause is ranked by when the trace says it returns (Belady
+        over sessions), in place of the policy's prediction; the rest of the policy's hints stand."""
+        in_tool = {k for k, s in self.live.items() if s.tool is not None}
+        out: list[HintModel] = []
+        for h in hints:
+            if isinstance(h, EvictionOrder):
+                entries = [e for e in h.entries if e.session_id not in in_tool]
+                if entries:
+                    out.append(EvictionOrder(entries=entries))
+            else:
+                out.append(h)
+        if isinstance(event, ToolStarted) and event.session_id in in_tool:
+            s = self.live[event.session_id]
+            pause_s = min(s.session.turns[s.turn_index].tool_duration_s, MAX_HORIZON_S)
+            out.append(EvictionOrder(entries=[NextUse(session_id=s.key, next_use_s=pause_s)]))
+        return out
 
     def publish(self, hints: Sequence[HintModel]) -> None:
         """Route hints like ``HintRuntime.publish``: by session's node, Release everywhere."""

@@ -290,3 +290,58 @@ def test_a_hit_rate_of_no_tokens_reads_n_a_in_the_table(all_results) -> None:  #
     work = render_table(report).split("across-turn hits", 1)[1]  # the second table
     row = next(line for line in work.splitlines() if line.startswith(f"| {name} |"))
     assert row.split("|")[2].strip() == "n/a"
+
+
+def test_a_host_tier_of_no_bytes_prices_pins_by_re_prefill() -> None:
+    """With --host-capacity-tokens 0 nothing can come back from the host: pins are priced by the re-prefill
+    they save, as the live runtime does for nodes that report no host blocks (not by a copy that cannot
+    happen, which made hintflow pin almost nothing where memory is shortest)."""
+    from replay import NodeSpec, Simulation
+
+    cost = _setup().cost()
+    for host_tokens, priced_by_copy in ((0, False), (4096, True)):
+        sim = Simulation(_tiny(2), get_replay_config("hintflow"), NodeSpec(4096, host_tokens, cost))
+        assert (getattr(sim.policy, "host_reload", None) is not None) is priced_by_copy
+
+
+def test_bound_ranks_each_paused_session_by_its_true_pause(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The bound row sends, at each tool start, the pause the trace says the tool takes as the session's
+    next use; hintflow sends its predictions instead."""
+    from engine_adapter import EngineCore
+    from hints import EvictionOrder
+
+    sent: dict[str, list[float]] = {}
+    apply = EngineCore.apply_hints
+
+    def spy(self, hints):  # type: ignore[no-untyped-def]
+        for h in hints:
+            if isinstance(h, EvictionOrder):
+                for e in h.entries:
+                    sent.setdefault(e.session_id, []).append(e.next_use_s)
+        return apply(self, hints)
+
+    monkeypatch.setattr(EngineCore, "apply_hints", spy)
+    programs = _tiny(3)
+    run_replay(_setup(), [get_replay_config("bound")], programs=programs)
+    truth = {f"{p.program_id}/{s.session_id}": [t.tool_duration_s for t in s.turns if t.tool is not None]
+             for p in programs for s in p.sessions}
+    assert any(truth.values())
+    for key, pauses in truth.items():
+        got = sent.get(key, [])
+        for pause in pauses:
+            assert any(v == pytest.approx(pause) for v in got), (key, pause, got)
+    sent.clear()
+    run_replay(_setup(), [get_replay_config("hintflow")], programs=programs)
+    exact = sum(any(v == pytest.approx(p) for v in sent.get(k, [])) for k, ps in truth.items() for p in ps)
+    assert exact < sum(map(len, truth.values()))  # predictions, not the trace's answers
+
+
+def test_bound_note_names_the_online_rows_that_beat_the_bound() -> None:
+    from replay import bound_note
+
+    row = {"jct_mean_s": 10.0, "jct_p90_s": 20.0}
+    report = {"policies": {"bound": dict(row), "hintflow": dict(row), "oracle": {"jct_mean_s": 1.0, "jct_p90_s": 2.0}}}
+    assert bound_note(report) == ""
+    report["policies"]["hintflow"]["jct_p90_s"] = 19.0
+    note = bound_note(report)
+    assert "hintflow (p90 19.00 s < 20.00 s)" in note and "oracle" not in note and "mean" not in note
