@@ -70,6 +70,10 @@ class SchedulerConfig:
     # thousands queued otherwise re-plans every one of them at every step (a replay of the Mooncake
     # conversation trace on two nodes spent two thirds of its time there and slowed quadratically).
     admission_lookahead: int = 64
+    # A waiting turn that memory cannot take makes the pins of younger programs let go (youngest first)
+    # until it fits: a pin never keeps an older program's turn waiting.  Off: pins hold until they expire
+    # or the deadlock rule drops them (Continuum's rule).
+    yield_pins_to_older: bool = False
 
 
 class Scheduler:
@@ -251,6 +255,10 @@ class Scheduler:
                 # An overdue request outranks pins by definition (the TTFT deadline), so pins give way
                 # to it at once rather than after the node has drained.
                 if (req.overdue or (not self.running and not step.seqs)) and self.kv.force_unpin_latest():
+                    continue
+                if self.config.yield_pins_to_older and self.kv.yield_pin_to(
+                    s.program_start_s if s.program_start_s is not None else s.created_s
+                ):
                     continue
                 return
             self._remove_waiting(req)

@@ -41,6 +41,7 @@ class KVStats:
     pin_expiries: int = 0
     pin_clamps: int = 0
     forced_unpins: int = 0
+    yielded_pins: int = 0  # dropped so that an older program's waiting turn fits (see yield_pin_to)
     prefetched_blocks: int = 0
     skipped_prefetches: int = 0  # due while a queued turn waited for memory (see _prefetch)
 
@@ -232,6 +233,24 @@ class SessionTable:
         self._unpin(s)
         s.pin_deadline_s = None
         self.stats.forced_unpins += 1
+        self._refresh(s)
+        return True
+
+    def yield_pin_to(self, start_s: float) -> bool:
+        """Pins yield to older programs: the youngest pinned program that started after ``start_s`` lets
+        go of one session's pin.  False when no pinned program is younger.
+
+        Why: a pin is a bet that its program comes back soon; it must not keep an older program's turn
+        that is already here waiting (program FCFS decides who is older; the vLLM backend's rule too).
+        """
+        younger = [s for s in self.sessions.values()
+                   if s.pinned_blocks and (s.program_start_s or s.created_s) > start_s]
+        if not younger:
+            return False
+        s = max(younger, key=lambda x: (x.program_start_s or x.created_s, x.created_s))
+        self._unpin(s)
+        s.pin_deadline_s = None
+        self.stats.yielded_pins += 1
         self._refresh(s)
         return True
 

@@ -350,3 +350,32 @@ def test_program_fcfs_aging_bounds_an_old_programs_head_start(aging_s: float | N
     core.submit(rand_tokens(rng, 8), 1, session_id="old", on_event=note)
     core.run_until_idle()
     assert order[0] == first
+
+
+@pytest.mark.parametrize("yield_pins", [False, True])
+def test_pins_of_younger_programs_yield_to_an_older_programs_waiting_turn(yield_pins: bool) -> None:
+    # 24 blocks x 16 tokens.  A younger program's parked context (240 tokens, 15 blocks) is pinned; a
+    # decode runs (2 blocks). An older program's 200-token turn (13 blocks) arrives: with the rule the young
+    # pin lets go at once (the node is not idle, so the deadlock rule would not); without it the turn waits
+    # for the decode to end and the node to drain.
+    core = make_core(blocks=24, yield_pins_to_older=yield_pins)
+    rng = random.Random(8)
+    core.submit(rand_tokens(rng, 240), 1, session_id="young", program_id="young")
+    core.run_until_idle()
+    assert all(r.ok for r in core.apply_hints([
+        Pin(session_id="young", ttl_s=600.0),
+        Priority(session_id="young", program_age_s=1.0),
+    ]))
+    runner = core.submit(rand_tokens(rng, 20), 200, session_id="runner", program_id="r")
+    core.step()
+    old = core.submit(rand_tokens(rng, 200), 1, session_id="old", program_id="old")
+    assert all(r.ok for r in core.apply_hints([Priority(session_id="old", program_age_s=60.0)]))
+    for _ in range(3):
+        core.step()
+    assert (old.first_token_s is not None) is yield_pins
+    assert len(runner.output) < 200  # the decode still runs
+    assert core.kv.stats.yielded_pins == (1 if yield_pins else 0)
+    assert core.kv.stats.forced_unpins == 0
+    core.run_until_idle()
+    assert old.first_token_s is not None
+    core.check_invariants()
