@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 
 from ._block_pool import NONE_HASH, BlockPool, hash_block_tokens
@@ -226,14 +227,9 @@ class SessionTable:
 
     def force_unpin_latest(self) -> bool:
         """Deadlock rule: pinned memory blocks all progress, so the latest-arriving program lets go."""
-        pinned = [s for s in self.sessions.values() if s.pinned_blocks]
-        if not pinned:
+        if not self._unpin_youngest(after_s=-math.inf):
             return False
-        s = max(pinned, key=lambda x: (x.program_start_s or x.created_s, x.created_s))
-        self._unpin(s)
-        s.pin_deadline_s = None
         self.stats.forced_unpins += 1
-        self._refresh(s)
         return True
 
     def yield_pin_to(self, start_s: float) -> bool:
@@ -243,14 +239,20 @@ class SessionTable:
         Why: a pin is a bet that its program comes back soon; it must not keep an older program's turn
         that is already here waiting (program FCFS decides who is older; the vLLM backend's rule too).
         """
-        younger = [s for s in self.sessions.values()
-                   if s.pinned_blocks and (s.program_start_s or s.created_s) > start_s]
-        if not younger:
+        if not self._unpin_youngest(after_s=start_s):
             return False
-        s = max(younger, key=lambda x: (x.program_start_s or x.created_s, x.created_s))
+        self.stats.yielded_pins += 1
+        return True
+
+    def _unpin_youngest(self, *, after_s: float) -> bool:
+        """Drop the pin of the latest-started pinned session whose program started after ``after_s``."""
+        pinned = [s for s in self.sessions.values()
+                  if s.pinned_blocks and (s.program_start_s or s.created_s) > after_s]
+        if not pinned:
+            return False
+        s = max(pinned, key=lambda x: (x.program_start_s or x.created_s, x.created_s))
         self._unpin(s)
         s.pin_deadline_s = None
-        self.stats.yielded_pins += 1
         self._refresh(s)
         return True
 

@@ -25,8 +25,8 @@ import numpy as np
 from replay._setup import ReplaySetup
 from replay._sim import SimResult
 
-__all__ = ["ANALYSIS_ROWS", "REQUIRED_KEYS", "bound_note", "metrics", "oracle_note", "overload_note", "render_table", "report_json",
-           "step_time_check", "write_plots"]
+__all__ = ["ANALYSIS_ROWS", "REQUIRED_KEYS", "bound_note", "metrics", "oracle_note", "overload_note",
+           "render_table", "report_json", "step_time_check", "write_plots"]
 
 REQUIRED_KEYS = ("jct_mean_s", "jct_p50_s", "jct_p90_s", "jct_p99_s", "ttft_p50_s", "ttft_p90_s",
                  "ttft_p99_s", "across_turn_hit_rate", "within_turn_hit_rate", "recomputed_tokens",
@@ -160,7 +160,8 @@ def _table(pols: dict[str, Any], refs: list[str], columns: Sequence[tuple[str, s
 def render_table(report: dict[str, Any]) -> str:
     """Two markdown tables, times (JCT and TTFT percentiles, queue wait) and work (hits, recomputed tokens,
     throughput, pins, preemptions, moves); times and token counts carry their ratios to vllm-default, to
-    the finite-memory ``bound`` and to the infinite-memory ``oracle``, those of them that ran.  ``session moves``: turns that ran on another node than the session's last turn (its context
+    the finite-memory ``bound`` and to the infinite-memory ``oracle``, those of them that ran.
+    ``session moves``: turns that ran on another node than the session's last turn (its context
     re-prefilled there); ``migrations``: contexts copied to another node with their turn (``_migration.py``)."""
     pols = report["policies"]
     refs = [n for n in ("vllm-default", "bound", "oracle") if n in pols]

@@ -29,11 +29,11 @@ def _seeds(text: str) -> list[int]:
 
 
 def measure(workload: str, point: str, seed: int, jobs: int) -> dict[str, dict[str, float]]:
-    setup = ReplaySetup(workload=workload, seed=seed)
-    progs = setup.with_defaults().load_programs()
-    sized = setup.with_defaults().resolve(progs, setup.with_defaults().cost())
-    assert sized.kv_capacity_tokens is not None
-    host = int(POINTS[point] * sized.kv_capacity_tokens)
+    setup = ReplaySetup(workload=workload, seed=seed).with_defaults()
+    progs = setup.load_programs()
+    device = setup.resolve(progs, setup.cost()).kv_capacity_tokens  # the replay's default pool
+    assert device is not None
+    host = int(POINTS[point] * device)
     configs = [get_replay_config(n) for n in REPLAY_CONFIGS]
     resolved, results = run_replay(replace(setup, host_capacity_tokens=host), configs, jobs=jobs)
     pols = report_json(resolved, results)["policies"]
