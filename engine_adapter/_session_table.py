@@ -10,15 +10,27 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from dataclasses import dataclass
 
 from ._block_pool import NONE_HASH, BlockPool, hash_block_tokens
 from ._eviction import SessionHeap, get_eviction_policy
 from ._executor import Clock, CopyOp
+from ._pin_order import deadlock_victims, program_start, yield_order
 from ._session import Session, SessionState
 
 __all__ = ["KVStats", "PinResult", "SessionTable"]
+
+
+def _start(s: Session) -> float:
+    return program_start(s.program_start_s, s.created_s)
+
+
+def _seen(s: Session) -> float:
+    return s.created_s
+
+
+def _program(s: Session) -> str:
+    return s.program_id
 
 
 @dataclass
@@ -160,8 +172,7 @@ class SessionTable:
         """Last resort before preempting a running request: the context of a queued turn."""
         # The largest order; among equals the session that came first in ``sessions``.
         def order(x: Session) -> tuple[int, float, int]:
-            start = x.program_start_s if x.program_start_s is not None else x.created_s
-            return (x.priority_class, start, -self._creation_seq.get(x, 0))
+            return (x.priority_class, _start(x), -self._creation_seq.get(x, 0))
 
         best: Session | None = None
         best_key: tuple[int, float, int] | None = None
@@ -226,35 +237,34 @@ class SessionTable:
         self._refresh(s)
 
     def force_unpin_latest(self) -> bool:
-        """Deadlock rule: pinned memory blocks all progress, so the latest-arriving program lets go."""
-        if not self._unpin_youngest(after_s=-math.inf):
+        """Deadlock rule: pinned memory blocks all progress, so the latest-started program lets go of every
+        pin it holds (``_pin_order.deadlock_victims``, the vLLM node's rule too)."""
+        victims = deadlock_victims(self._pinned_sessions(), start=_start, seen=_seen, program=_program)
+        for s in victims:
+            self._drop_pin(s)
+        if not victims:
             return False
         self.stats.forced_unpins += 1
         return True
 
     def yield_pin_to(self, start_s: float) -> bool:
-        """Pins yield to older programs: the youngest pinned program that started after ``start_s`` lets
-        go of one session's pin.  False when no pinned program is younger.
-
-        Why: a pin is a bet that its program comes back soon; it must not keep an older program's turn
-        that is already here waiting (program FCFS decides who is older; the vLLM backend's rule too).
-        """
-        if not self._unpin_youngest(after_s=start_s):
+        """Pins yield to older programs: the youngest pinned session whose program started after
+        ``start_s`` lets go (``_pin_order.yield_order``).  False when no pinned program is younger; the
+        scheduler asks again until its turn fits."""
+        order = yield_order(self._pinned_sessions(), start_s, start=_start, seen=_seen)
+        if not order:
             return False
+        self._drop_pin(order[0])
         self.stats.yielded_pins += 1
         return True
 
-    def _unpin_youngest(self, *, after_s: float) -> bool:
-        """Drop the pin of the latest-started pinned session whose program started after ``after_s``."""
-        pinned = [s for s in self.sessions.values()
-                  if s.pinned_blocks and (s.program_start_s or s.created_s) > after_s]
-        if not pinned:
-            return False
-        s = max(pinned, key=lambda x: (x.program_start_s or x.created_s, x.created_s))
+    def _pinned_sessions(self) -> list[Session]:
+        return [s for s in self.sessions.values() if s.pinned_blocks]
+
+    def _drop_pin(self, s: Session) -> None:
         self._unpin(s)
         s.pin_deadline_s = None
         self._refresh(s)
-        return True
 
     # ---- accounting ----------------------------------------------------------------------------
     def check_invariants(self) -> None:

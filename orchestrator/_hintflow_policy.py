@@ -34,7 +34,7 @@ class HintFlowPolicy(ContinuumPolicy):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.tracker = ProgramTracker(self.pause_model)
-        if self.host_reload is not None:
+        if self.host_reload is not None or self.pool_tokens is not None:
             self._host_reload_changed()
 
     def _host_reload_changed(self) -> None:
@@ -43,10 +43,12 @@ class HintFlowPolicy(ContinuumPolicy):
         Continuum's queueing term (HostTierTTL). The estimates learned so far carry over."""
         old = self.ttl
         if self.host_reload is None:
-            self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload)
+            self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload, pool_tokens=self.pool_tokens)
         else:
             prefill, host = self.prefill_reload, self.host_reload
-            self.ttl = HostTierTTL(self.pause_model, lambda n: min(float(prefill(n)), float(host(n))))
+            self.ttl = HostTierTTL(
+                self.pause_model, lambda n: min(float(prefill(n)), float(host(n))), pool_tokens=self.pool_tokens
+            )
         self.ttl.learn_from(old)
 
     def _predictions(self, now_s: float) -> dict[str, Callable[[], float]]:

@@ -76,12 +76,19 @@ class _BasePolicy:
         min_change_s: float = 0.0,
         renew_ahead_s: float | None = None,
         host_reload: Callable[[int], float] | None = None,
+        pool_tokens: Callable[[], float] | None = None,
+        memory_share: bool = False,
     ) -> None:
         self.pause_model = pause_model if pause_model is not None else PauseModel()
         self.prefill_reload = prefill_reload
         # Seconds to copy a context of n tokens back from the node's host tier (None: no host tier).  The
         # baselines price a lost context as their papers do; ours may use it (see HintFlowPolicy).
         self.host_reload = host_reload
+        # Tokens of device KV on the nodes, read at each pin decision (None: not known).  The baselines
+        # price a pin as their papers do; ours, with ``memory_share``, by the share of the pool it holds
+        # (HintFlowPolicy; off by default here, on in the vLLM node's own inference: docs/tuning.md).
+        self.pool_tokens = pool_tokens if memory_share else None
+        self.memory_share = memory_share
         self.ttl = ContinuumTTL(self.pause_model, prefill_reload)
         self.rel_change = rel_change
         # ... and by more than this many seconds: a prediction that stays "D from now" (memoryless) moves
@@ -100,6 +107,12 @@ class _BasePolicy:
         """The nodes have (or no longer have) a host tier: seconds to copy a context of n tokens back.
         The baselines price a lost context as their papers do and ignore it; ``HintFlowPolicy`` re-prices."""
         self.host_reload = host_reload
+        self._host_reload_changed()
+
+    def set_pool_tokens(self, pool_tokens: Callable[[], float] | None) -> None:
+        """The nodes' device pool in tokens, read at each decision (the live runtime learns it from
+        ``CacheState``); only ``HintFlowPolicy`` uses it, unless built with ``memory_share=False``."""
+        self.pool_tokens = pool_tokens if self.memory_share else None
         self._host_reload_changed()
 
     def _host_reload_changed(self) -> None:

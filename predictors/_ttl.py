@@ -24,6 +24,17 @@ pin for as long as it runs.  The default is a prior, not evidence about this pau
 it are renewed only while the pause is within the prior's own range (its 99th percentile, 4.6 mean
 pause times): a pause longer than that is not one the prior describes.
 
+Memory share (``pool_tokens``, hintflow's rule; without it, Continuum's): Continuum charges a pin ``tau``
+whatever it holds, as if every pinned context held the whole pool.  What a pin takes from the other turns
+is its share of the device pool for ``tau``: a context of ``c`` tokens on a pool of ``M`` costs
+``tau * c / M`` pool-seconds.  So with the pool known the benefit is scaled by ``M / c`` (at least 1):
+a context a sixth of the pool is worth pinning six times as long.  It pays where re-prefill is most of
+the engine's work: on a real vLLM node running the agent benchmark (contexts about a sixth of the pool,
+no host tier) mean JCT fell 84 -> 72 s, and in the replay of that trace 35.4 -> 30.1 s.  Where decoding
+dominates it does not: on the replay's multi-agent workload (a fifth of step time is prefill) it cost
+13% mean JCT, so the vLLM node's inference uses it and the orchestrator's policy only when asked
+(``memory_share``; docs/benchmarks.md).
+
 eta = -Corr(k, N - k) over the (k, N - k) pairs of finished programs (k = 1..N turns served, N total).
 We clamp it to [0, 1]: a negative value would turn queueing delay into a reason not to pin, which the
 cost model does not support; until ``min_programs`` programs (with non-degenerate variance) have
@@ -69,13 +80,16 @@ class ContinuumTTL:
         *,
         queue_window: int = 100,
         min_programs: int = 10,
+        pool_tokens: Callable[[], float] | None = None,
     ) -> None:
         """``prefill_reload(context_tokens)`` is the seconds to re-prefill a context of that length
-        (Continuum uses a profiled quadratic fit)."""
+        (Continuum uses a profiled quadratic fit).  ``pool_tokens()``: the device pool a pin holds memory
+        of, in tokens, read at each decision (0 or None: not known, Continuum's cost)."""
         if queue_window < 1:
             raise ValueError(f"queue_window must be >= 1, got {queue_window}")
         self.pause_model = pause_model
         self.prefill_reload = prefill_reload
+        self.pool_tokens = pool_tokens
         self.min_programs = min_programs
         self._queue_delays_s: deque[float] = deque(maxlen=queue_window)
         # Exact integer moments of the (k, r = N - k) pairs; Python ints never lose precision.
@@ -133,8 +147,17 @@ class ContinuumTTL:
 
     # ---- the rule ------------------------------------------------------------------------------------
     def benefit_s(self, context_tokens: int) -> float:
-        """B = T * eta + PrefillReload(ctx): seconds a pin saves if the tool returns in time."""
-        return self.queue_delay_s * self.eta + float(self.prefill_reload(context_tokens))
+        """B = T * eta + PrefillReload(ctx): seconds a pin saves if the tool returns in time; with the pool
+        known, per pool-second held (times ``memory_scale``)."""
+        b = self.queue_delay_s * self.eta + float(self.prefill_reload(context_tokens))
+        return b * self.memory_scale(context_tokens)
+
+    def memory_scale(self, context_tokens: int) -> float:
+        """M / c, at least 1, for a context of c tokens on a pool of M (1 when the pool is not known)."""
+        pool = float(self.pool_tokens()) if self.pool_tokens is not None else 0.0
+        if not (pool > 0.0 and math.isfinite(pool)) or context_tokens <= 0:
+            return 1.0
+        return max(1.0, pool / context_tokens)
 
     def ttl(self, tool: str, context_tokens: int) -> float:
         """tau* in seconds for a pause of ``tool`` that starts now (0 = do not pin)."""

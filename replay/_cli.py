@@ -53,14 +53,16 @@ def writable_parent(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--backend", type=click.Choice(["modeled", "vllm"]), default="modeled", show_default=True,
               help="modeled: our engine schedulers on virtual time (--executor); vllm: real vLLM servers "
                    "from .venv-vllm in real time, one per policy, same model and KV pool (policies: vanilla, "
-                   "hintflow-infer, hintflow-infer-pid, hintflow-orchestrator, each also as MODE+host; defaults: the tiny model, 40 programs, token "
+                   "hintflow-infer, hintflow-infer-pid, hintflow-orchestrator, and continuum, kvflow, thunderagent "
+                   "pushing hints to hintflow's node, each also as MODE+host; defaults: the tiny model, 40 programs, token "
                    "scale 0.1 for swe-agent and 0.2 for the other generators, outputs <= 32 tokens)")
 @click.option("--workload", "-w", default="swe-agent", show_default=True,
               help="generator (swe-agent, multi-agent, human-in-loop[:k=v,...]), hintflow:FILE, "
                    "mooncake:FILE, trie:FILE or a .jsonl trace")
 @click.option("--policy", "-p", "policies", default="all", show_default=True,
               help=f"comma-separated: {', '.join(REPLAY_CONFIGS)}; with --backend vllm: vanilla, "
-                   "hintflow-infer, hintflow-infer-pid, hintflow-orchestrator, each also as MODE+host")
+                   "hintflow-infer, hintflow-infer-pid, hintflow-orchestrator, continuum, kvflow, thunderagent, "
+                   "each also as MODE+host")
 @click.option("--variant", "variants", multiple=True, metavar="NAME=BASE:KEY=VALUE,...",
               help="a policy with some knobs turned, reported as NAME beside the others (repeatable): "
                    "BASE is a policy above (or an earlier variant); keys: its fields (routing, "

@@ -82,6 +82,7 @@ class ReplayConfig:
     migrate: bool = False  # move a queued turn's context to a node with room (``_migration.py``)
     true_next_use: bool = False  # paused sessions ranked by their true return from the trace (``bound``)
     yield_pins: bool = False  # pins of younger programs let go for an older program's waiting turn
+    pin_budget: float = 0.5  # share of each node's device pool pins may hold (the engine's default)
     description: str = ""
     # A variant's (``--variant``) options: the hint policy's (``orchestrator.POLICY_OPTIONS``) and the
     # nodes' ``SchedulerConfig`` fields, each as (key, value) pairs in the order given.
@@ -206,6 +207,7 @@ def _config_options() -> dict[str, Option]:
     for f in dataclasses.fields(ReplayConfig):
         if f.type in ("bool", bool):
             out[f.name] = Option(bool, "see ReplayConfig")
+    out["pin_budget"] = Option(float, "share of the device pool pins may hold, in [0, 1)", minimum=0.0)
     return out
 
 
@@ -247,6 +249,8 @@ def parse_variant(text: str, earlier: Sequence[ReplayConfig] = ()) -> ReplayConf
             sched_opts[key.removeprefix("scheduler.")] = value
         else:
             changes[key] = value
+    if changes.get("pin_budget", 0.0) >= 1.0:
+        raise ValueError(f"{where}: pin_budget must be below 1 (a share of the pool), got {changes['pin_budget']}")
     if not (changes or policy_opts != dict(base.policy_options) or sched_opts != dict(base.scheduler_options)):
         raise ValueError(f"{where}: no options given (KEY=VALUE after {base.name}:)")
     summary = opts.strip().replace(",", ", ")

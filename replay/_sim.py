@@ -101,7 +101,8 @@ class Simulation:
             per_token_s = cm.copy_per_block_s / cm.block_size
             host_reload = lambda n: per_token_s * n  # noqa: E731
         self.policy: HintPolicy = PolicySpec(config.hint_policy, config.policy_options).build(
-            POLICIES, prefill_reload=self.prefill.reload_s, host_reload=host_reload
+            POLICIES, prefill_reload=self.prefill.reload_s, host_reload=host_reload,
+            pool_tokens=lambda: float(spec.num_device_tokens),  # (every node has the same pool here)
         )
         self.router = Router(
             cm.prefill_time,

@@ -59,16 +59,20 @@ class HintPusher:
     """
 
     def __init__(self, target: str, policy_name: str = "hintflow", tick_s: float = 0.05,
-                 s_per_token: float = 1.25e-4, host_s_per_token: float | None = None) -> None:
+                 s_per_token: float = 1.25e-4, host_s_per_token: float | None = None,
+                 pool_tokens: float | None = None) -> None:
         """``host_s_per_token``: the node has a host KV tier, whose copy back costs this per token (the
-        policy prices pins by it, as on an embedded node with a host tier)."""
+        policy prices pins by it, as on an embedded node with a host tier). ``pool_tokens``: the node's
+        device pool (``hintflow`` prices pins by the share of it they hold, as the live runtime does)."""
         import grpc
 
         from hints import engine_pb2_grpc
         from orchestrator import get_policy
 
         host = None if host_s_per_token is None else (lambda n: host_s_per_token * n)
-        self.policy = get_policy(policy_name, prefill_reload=lambda n: s_per_token * n, host_reload=host)
+        pool = None if pool_tokens is None else (lambda: pool_tokens)
+        self.policy = get_policy(policy_name, prefill_reload=lambda n: s_per_token * n, host_reload=host,
+                                 pool_tokens=pool)
         self.channel = grpc.insecure_channel(target)
         self.stub = engine_pb2_grpc.EngineNodeStub(self.channel)
         self.tick_s = tick_s

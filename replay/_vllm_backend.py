@@ -7,7 +7,8 @@ outputs capped, pauses as in the trace, sessions with their ``after`` / ``join``
 against real vLLM OpenAI servers that ``replay._vllm_bench.run_mode`` starts, one per policy, each with the same
 model and the same KV pool. The policies are the benchmark's modes: ``vanilla`` (stock vLLM),
 ``hintflow-infer`` (our scheduler, hints inferred from ``program_id`` / ``tool`` / ``is_last_turn``) and
-``hintflow-orchestrator`` (our scheduler, the ``hintflow`` policy pushing hints over gRPC); each also as
+``hintflow-orchestrator`` (our scheduler, the ``hintflow`` policy pushing hints over gRPC), and the
+baselines ``continuum``, ``kvflow``, ``thunderagent`` pushing theirs to the same node; each also as
 ``MODE+host``, with hintflow's host KV tier (``_host_connector``) of ``--host-capacity-tokens`` (default:
 every program's longest context, host memory for all of them).
 

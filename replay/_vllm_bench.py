@@ -9,7 +9,9 @@ rate (cached tokens over the prompt tokens an earlier turn of the program had al
 Modes: ``vanilla`` (no ``--scheduler-cls``, FCFS), ``hintflow-infer`` (our scheduler; the client adds only
 ``program_id``, ``tool``, ``is_last_turn``), ``hintflow-infer-pid`` (the same scheduler; the client adds
 ``program_id`` alone, issue 5's plain OpenAI client), ``hintflow-orchestrator`` (our scheduler; the ``hintflow``
-policy fed with the client's events pushes hints over gRPC; the client adds only ``program_id``). Each
+policy fed with the client's events pushes hints over gRPC; the client adds only ``program_id``), and
+``continuum``, ``kvflow``, ``thunderagent`` (the same node and hint path, that baseline policy pushing; KVFlow
+without program-level order; ThunderAgent's pause/restore controller is the replay's only). Each
 mode with ``+host`` (``vanilla+host``, ...) adds hintflow's host KV tier (``_host_connector``) of
 ``--host-capacity-tokens`` (default: every program's longest context, i.e. host memory for all of them).
 
@@ -52,7 +54,15 @@ from replay._vllm_workload import (
 
 __all__ = ["MODES", "ensure_model", "main", "max_model_len_for", "run_mode", "summarize", "verdict"]
 
-MODES = ("vanilla", "hintflow-infer", "hintflow-infer-pid", "hintflow-orchestrator")
+MODES = ("vanilla", "hintflow-infer", "hintflow-infer-pid", "hintflow-orchestrator", "continuum", "kvflow",
+         "thunderagent")
+PUSHED_POLICY = {"hintflow-orchestrator": "hintflow", "continuum": "continuum", "kvflow": "kvflow",
+                 "thunderagent": "thunderagent"}
+"""Modes in which an orchestrator policy pushes hints over gRPC to hintflow's vLLM node (the same hint path
+for ours and the baselines; the node infers nothing for a session that gets hints)."""
+MODE_ENV = {"kvflow": {"HINTFLOW_PRIORITY_AGING_S": "0"}}
+"""The node's settings a mode implies: KVFlow orders requests FCFS (no program-level priority; with no head
+start for older programs the node's priority order is arrival order)."""
 
 _IPC_PATH_MAX = 107
 """A Unix socket's path at most (``sockaddr_un.sun_path``): a deeper state dir gets its sockets in a short
@@ -129,6 +139,7 @@ def run_mode(
     if hintflow and aging_s is not None:
         env["HINTFLOW_PRIORITY_AGING_S"] = str(aging_s)
     if hintflow:
+        env.update(MODE_ENV.get(base_mode, {}))
         env.update(hint_env or {})
     short_rpc = None
     if len(env["VLLM_RPC_BASE_PATH"]) + 1 + 36 > _IPC_PATH_MAX:  # vLLM's sockets: BASE/uuid4
@@ -142,10 +153,11 @@ def run_mode(
         wait_healthy(proc, base, log)
         warm = AgentProgram("warmup", 0.0, programs[0].all_sessions[0].turns[:1])
         run_program(base, str(model), warm, time.monotonic(), "plain")
-        if base_mode == "hintflow-orchestrator":
-            pusher = HintPusher(f"127.0.0.1:{hint_port}", host_s_per_token=HOST_RELOAD_S_PER_TOKEN if plus else None)
-        client_mode = {"vanilla": "plain", "hintflow-infer": "infer", "hintflow-infer-pid": "plain",
-                       "hintflow-orchestrator": "plain"}[base_mode]
+        if base_mode in PUSHED_POLICY:
+            pusher = HintPusher(f"127.0.0.1:{hint_port}", PUSHED_POLICY[base_mode],
+                                host_s_per_token=HOST_RELOAD_S_PER_TOKEN if plus else None,
+                                pool_tokens=float(num_blocks * BLOCK))
+        client_mode = "infer" if base_mode == "hintflow-infer" else "plain"
         t0 = time.monotonic() + 0.5
         with ThreadPoolExecutor(max_workers=len(programs)) as pool:
             futs = [pool.submit(run_program, base, str(model), p, t0, client_mode, pusher) for p in programs]

@@ -81,6 +81,7 @@ def test_variant_parsing_and_its_errors() -> None:
     assert not w.host_tier and w.scheduler_options == v.scheduler_options
     assert [c.name for c in parse_policy_list("hintflow,eager2", [v, w])] == ["hintflow", "eager2"]
     assert parse_policy_list("all", [v])[-1] is v
+    assert parse_variant("half=hintflow:pin_budget=0.7").pin_budget == 0.7
     for text, message in [
         ("eager", "expected NAME=BASE:KEY=VALUE"),
         ("hintflow=kvflow:routing=session", "the name 'hintflow' is already taken"),
@@ -89,6 +90,8 @@ def test_variant_parsing_and_its_errors() -> None:
         ("x=hintflow:scheduler.max_num_seqs=0", "scheduler.max_num_seqs='0': must be >= 1"),
         ("x=hintflow:policy.tick_s=1", "unknown option 'policy.tick_s'"),
         ("x=hintflow", "no options given"),
+        ("x=hintflow:pin_budget=1", "pin_budget must be below 1"),
+        ("x=hintflow:pin_budget=-0.1", "pin_budget='-0.1': must be >= 0"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_variant(text)
@@ -96,7 +99,8 @@ def test_variant_parsing_and_its_errors() -> None:
 
 def test_a_variant_s_options_reach_its_policy_and_nodes() -> None:
     config = parse_variant("v=hintflow:policy.rel_change=0.5,policy.pause.min_samples=3,"
-                           "scheduler.max_num_seqs=2,scheduler.ttft_deadline_s=none")
+                           "scheduler.max_num_seqs=2,scheduler.ttft_deadline_s=none,pin_budget=0.75,"
+                           "policy.memory_share=true")
     setup = ReplaySetup(block_size=16, ttft_deadline_s=4.0)
     programs = generate("swe-agent", seed=3, num_programs=2, rate=2.0, scale=0.05)
     spec = NodeSpec(4096, 4096, setup.cost(), ttft_deadline_s=4.0)
@@ -104,8 +108,13 @@ def test_a_variant_s_options_reach_its_policy_and_nodes() -> None:
     assert sim.policy.rel_change == 0.5 and sim.policy.pause_model.min_samples == 3  # type: ignore[attr-defined]
     sched = sim.nodes[0].engine.scheduler.config
     assert sched.max_num_seqs == 2 and sched.ttft_deadline_s is None  # the variant's own setting wins
-    base = Simulation(programs, get_replay_config("hintflow"), spec).nodes[0].engine.scheduler.config
+    assert sim.nodes[0].engine.kv.pin_budget_blocks == int(0.75 * 4096 / 16)
+    assert sim.policy.ttl.memory_scale(16) == 4096 / 16  # type: ignore[attr-defined]  # the nodes' pool
+    base_sim = Simulation(programs, get_replay_config("hintflow"), spec)
+    base = base_sim.nodes[0].engine.scheduler.config
     assert base.max_num_seqs == 64 and base.ttft_deadline_s == 4.0
+    assert base_sim.nodes[0].engine.kv.pin_budget_blocks == int(0.5 * 4096 / 16)
+    assert base_sim.policy.ttl.memory_scale(16) == 1.0  # type: ignore[attr-defined]  # Continuum's cost
 
 
 def _strip_wall(report: dict) -> dict:  # type: ignore[type-arg]

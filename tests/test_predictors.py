@@ -131,6 +131,19 @@ def test_continuum_no_pin_when_benefit_at_most_one_mean(benefit_s: float) -> Non
     assert ContinuumTTL(PauseModel(), lambda _tokens: benefit_s).ttl("bash", 1000) == 0.0
 
 
+def test_memory_share_prices_a_pin_by_the_share_of_the_pool_it_holds() -> None:
+    pool = [6000.0]
+    ttl = ContinuumTTL(PauseModel(), lambda _tokens: 0.8, pool_tokens=lambda: pool[0])
+    assert ttl.memory_scale(1000) == 6.0 and ttl.benefit_s(1000) == pytest.approx(4.8)
+    assert ttl.memory_scale(9000) == 1.0  # a context as large as the pool: Continuum's cost
+    # 0.8 s of re-prefill does not pay for a pin of a whole pool (Continuum: tau = 0); of a sixth, it does
+    assert ContinuumTTL(PauseModel(), lambda _tokens: 0.8).ttl("bash", 1000) == 0.0
+    assert ttl.ttl("bash", 1000) == pytest.approx(math.log(4.8), rel=0.02)
+    for unknown in (0.0, math.nan, math.inf):  # a node that reports no pool: Continuum's cost
+        pool[0] = unknown
+        assert ttl.memory_scale(1000) == 1.0
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(durations, min_size=1, max_size=30), st.floats(min_value=0.0, max_value=1e4))
 def test_tau_is_zero_or_a_sample_and_optimal(xs: list[float], benefit_s: float) -> None:

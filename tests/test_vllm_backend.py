@@ -303,6 +303,19 @@ def test_priority_hint_reorders_the_queue(node: Node) -> None:
     node.hints(*(Release(program_id=p) for p in ("px", "py", "pblocker1", "pblocker2")))
 
 
+def test_a_turn_whose_context_is_pinned_goes_ahead_of_an_older_program(node: Node) -> None:
+    # The embedded node's queue order (Request.sort_key): a waiting turn whose session holds a pin is
+    # served before unpinned ones of its class, so the memory held for it turns into progress at once.
+    node.complete(_prompt(60, 64), "x", "px")  # x's program is older
+    node.complete(_prompt(61, 2 * BS + 1), "y", "py")
+    assert node.hints(Pin(session_id="y", ttl_s=60)).results[0].pinned_blocks == 2
+    assert _queue_order(node, "3", None) == ["blocker3", "y", "x"]
+    assert not _pinned(node, "y")  # consumed by its admitted turn
+    # Without a pin, program FCFS again: x first.
+    assert _queue_order(node, "4", None) == ["blocker4", "x", "y"]
+    node.hints(*(Release(program_id=p) for p in ("px", "py", "pblocker3", "pblocker4")))
+
+
 def test_eviction_follows_the_hinted_next_use_not_recency(node: Node) -> None:
     assert node.state().pinned_blocks == 0
     h1, h2 = _prompt(50, 5 * BS + 1), _prompt(51, 5 * BS + 1)

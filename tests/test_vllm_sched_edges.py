@@ -204,7 +204,7 @@ def _reset_prefix_cache(model: str) -> dict[str, Any]:
 
 
 def _huge_age(model: str) -> dict[str, Any]:
-    from engine_adapter.vllm_backend._admission import PRIORITY_SCALE
+    from engine_adapter.vllm_backend._admission import CLASS_SCALE, PRIORITY_SCALE
     from engine_adapter.vllm_backend._hint_service import apply_hints
     from hints import Priority
 
@@ -222,7 +222,7 @@ def _huge_age(model: str) -> dict[str, Any]:
         out["add_request"] = "ok"
     except Exception as e:
         out["add_request"] = f"{type(e).__name__}: {e}"
-    out["priority"] = [r.priority // PRIORITY_SCALE, r.priority % PRIORITY_SCALE]  # [class, program start ms]
+    out["priority"] = [r.priority // CLASS_SCALE, r.priority % PRIORITY_SCALE]  # [class, program start ms]
     engine.run()
     # whatever the hint-derived state, add_request keeps the client's priority rather than raise
     sched.book.sessions["d"].priority_class = float("inf")  # type: ignore[assignment]

@@ -184,6 +184,12 @@ class HintRuntime:
         # from it how a lost context comes back (a policy object passed in is left as configured)
         self._host_tier: dict[str, bool] = {}
         self._auto_host_reload = isinstance(policy, str)
+        # engine -> its device pool in tokens (from CacheState); a policy built here by name prices pins by
+        # the share of the smallest pool they hold (``ContinuumTTL``'s memory share)
+        self._pool_tokens: dict[str, float] = {}
+        set_pool = getattr(self.policy, "set_pool_tokens", None)
+        if self._auto_host_reload and set_pool is not None:
+            set_pool(lambda: min(self._pool_tokens.values(), default=0.0))
         self.tick_s = tick_s
         self.watch_interval_s = watch_interval_s
         self.tool_grace_s = float(tool_grace_s)
@@ -282,6 +288,7 @@ class HintRuntime:
                 async for state in client.watch_cache_state(self.watch_interval_s, include_sessions=True):
                     self.router.update(addr, state, time.monotonic())
                     self.note_host_tier(addr, state.host_total_blocks > 0)
+                    self._pool_tokens[addr] = float(state.total_blocks * state.block_size)
                     backoff_s = 0.1
             except asyncio.CancelledError:
                 raise

@@ -6,6 +6,9 @@ logging). A mixin over ``vllm.v1.core.sched.scheduler.Scheduler`` (it calls ``su
 per-request check) without importing vLLM, so it reads as plain Python.
 
 - ``_promote_overdue``: a request that has waited ``ttft_deadline_s`` goes ahead of every program;
+- ``_sync_pinned_band``: a waiting turn whose session holds a pin goes ahead of unpinned ones of its class
+  (its memory is reserved for it: serving it turns the pin into progress and frees it), and falls back
+  when its pin is dropped while it waits; the embedded scheduler's queue order (``Request.sort_key``);
 - ``_yield_pins_to_older``: pins of programs younger than the queue's head let go until the head fits;
 - program admission (``_handle_blocked_waiting_request``): a program's first turn waits while the contexts
   of the programs in flight fill the pool, unless the engine would idle or it has waited long enough.
@@ -17,12 +20,17 @@ import math
 import time
 from typing import Any
 
-from ._sessions import VSession
+from engine_adapter._pin_order import yield_order
 
-__all__ = ["ADMIT_HORIZON_S", "PRIORITY_SCALE", "QueueRules"]
+from ._sessions import VSession, session_start
+
+__all__ = ["ADMIT_HORIZON_S", "CLASS_SCALE", "PRIORITY_SCALE", "QueueRules"]
 
 PRIORITY_SCALE = 10**12
-"""Milliseconds of program age fit below this (31 years), so ``class * scale + ms`` orders by class first."""
+"""Milliseconds of program age fit below this (31 years): a request's vLLM priority is
+``class * CLASS_SCALE + band * PRIORITY_SCALE + ms``, so it orders by class, then band, then program start."""
+CLASS_SCALE = 2 * PRIORITY_SCALE
+"""One priority class spans two bands: turns whose session holds a pin (band 0), then the rest (band 1)."""
 ADMIT_HORIZON_S = 5.0
 """A parked program whose context is not pinned still counts as in flight for this long after its turn
 (its tool is probably still running; it will need its context back)."""
@@ -79,6 +87,27 @@ class QueueRules:
             r.priority = -PRIORITY_SCALE + min(ms, PRIORITY_SCALE - 1)  # below every class: first
             self.waiting.add_request(r)
 
+    def _sync_pinned_band(self) -> None:
+        """Re-key waiting requests whose session gained or lost its pin since they were keyed (see above)."""
+        if getattr(self.policy, "name", "") != "PRIORITY" or not self.waiting:
+            return
+        moved = []
+        for r in self.waiting:
+            if r.request_id in self._overdue:
+                continue
+            want = self._requeue_priority(r)
+            if want is not None and want != r.priority:
+                moved.append((r, want))
+        if not moved:
+            return
+        self.waiting.remove_requests([r for r, _ in moved])
+        for r, want in moved:
+            r.priority = want
+            self.waiting.add_request(r)
+
+    def _requeue_priority(self, request: Any) -> int | None:  # (the scheduler's; None: leave it as it is)
+        raise NotImplementedError
+
     def _yield_pins_to_older(self) -> None:
         """Drop pins of programs younger than the queue's head (youngest first) until the head fits.
 
@@ -93,11 +122,8 @@ class QueueRules:
             return  # anonymous traffic does not outrank pins: that is what pins protect against
         need = -(-head.num_tokens // self.block_size) + 1 - len(hs.held)
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        head_start = self._start(hs)
-        younger = [
-            x for x in self.book.sessions.values() if x.held and x is not hs and self._start(x) > head_start
-        ]
-        for x in sorted(younger, key=self._start, reverse=True):
+        pinned = [x for x in self.book.sessions.values() if x.held and x is not hs]
+        for x in yield_order(pinned, session_start(hs), start=session_start, seen=lambda v: v.first_seen_s):
             if need <= free:
                 break
             free += self.book.drop_pin(x, yielded=True)
@@ -160,7 +186,3 @@ class QueueRules:
         st[0] += blocks
         st[1] = False
         return True
-
-    @staticmethod
-    def _start(s: VSession) -> float:
-        return s.program_start_s if s.program_start_s is not None else s.first_seen_s

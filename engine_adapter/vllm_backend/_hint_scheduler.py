@@ -62,7 +62,7 @@ from pydantic import TypeAdapter, ValidationError
 from hints import OptionalProgramId, SessionId
 
 from ._accounting import RequestAccounting
-from ._admission import ADMIT_HORIZON_S, PRIORITY_SCALE, QueueRules
+from ._admission import ADMIT_HORIZON_S, CLASS_SCALE, PRIORITY_SCALE, QueueRules
 from ._async_mode import StepsInFlight, log_async_mode
 from ._compat import check_vllm_internals
 from ._host_index import HOST_RELOAD_S_PER_TOKEN
@@ -99,14 +99,16 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     """Goes before vLLM's scheduler class in the bases (``_scheduler``); see the module docstring.
 
     Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET, HINTFLOW_NODE_ID, HINTFLOW_INFER_HINTS (1),
-    HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference),
+    HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference), HINTFLOW_INFER_MEMORY_SHARE
+    (1: inferred pins priced by the share of the pool they hold; 0: Continuum's cost),
     HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_SILENT_S (30),
     HINTFLOW_PRIORITY_AGING_S (see AGING_S: the most head start an older program's turn gets; inf: strict
     program FCFS), HINTFLOW_ADMIT_GUARD (1), HINTFLOW_ADMIT_FRACTION (1.0: share of the pool the in-flight
     contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (the aging, else 3 s),
     HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
     HINTFLOW_YIELD_PINS (1: pins of younger programs yield to the queue's head), HINTFLOW_TTFT_DEADLINE_S
-    (inf: a request waiting this long goes first)."""
+    (inf: a request waiting this long goes first), HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
+    holds a pin goes ahead of unpinned ones of its class, as on the embedded node)."""
 
     hintflow_async: ClassVar[bool] = False  # whether the vLLM base is AsyncScheduler (set in _scheduler)
 
@@ -125,6 +127,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self._req_session: dict[str, VSession] = {}
         self.accounting = RequestAccounting()  # per-request hintflow_* series (_accounting, _metrics)
         self._client_priority: dict[str, int] = {}
+        self._req_start: dict[str, float] = {}  # request -> when it arrived (book clock), for its aging
         self._warned: set[str] = set()  # log-once keys (bad ids, a failed priority mapping)
         self.node_id = os.environ.get("HINTFLOW_NODE_ID", "vllm")
         self.model_name = str(self.vllm_config.model_config.served_model_name)
@@ -156,6 +159,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 reload_s_per_token=float(reload) if reload else None,
                 silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
                 host_reload_s_per_token=self.host_reload_s_per_token or None,  # None: no host tier
+                pool_tokens=(lambda: float(self.book.num_blocks * self.block_size))
+                if env("HINTFLOW_INFER_MEMORY_SHARE", "1").strip().lower() not in {"0", "false", "no", "off"}
+                else None,
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self._next_log_s = 0.0
@@ -171,6 +177,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
         self.yield_pins = env_("HINTFLOW_YIELD_PINS", "1").strip().lower() not in {"0", "false", "no", "off"}
         self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
+        self.pinned_first = env_("HINTFLOW_PINNED_FIRST", "1").strip().lower() not in {"0", "false", "no", "off"}
         self._overdue: set[str] = set()  # waiting requests already moved to the front (deadline passed)
         self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)
         self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle] for the current step
@@ -206,7 +213,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     self.infer.on_request(s, extra)
                 self._req_session[request.request_id] = s
                 self._client_priority[request.request_id] = request.priority
-                request.priority = self._safe_priority(s, request.priority)
+                request.priority = self._safe_priority(s, request.priority, request.request_id)
             super().add_request(request)
 
     def _valid_ids(self, session_id: str, program_id: str) -> bool:
@@ -230,27 +237,39 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             self._warned.add(key)
             log.warning(msg, *args, **kwargs)
 
-    def _safe_priority(self, s: VSession, client_priority: int) -> int:
+    def _safe_priority(self, s: VSession, client_priority: int, request_id: str | None = None) -> int:
         """``priority_for``, never raising: it runs inside vLLM's engine loop (``add_request``), where an
         exception is fatal to the engine, and reads hint-derived state."""
         try:
-            return self.priority_for(s, client_priority)
+            return self.priority_for(s, client_priority, request_id)
         except Exception:  # a hint must never stop the engine: the client's order stands
             self._warn_once("priority", "hintflow: priority mapping failed; client priority kept", exc_info=True)
             return client_priority
 
-    def priority_for(self, s: VSession, client_priority: int) -> int:
-        """vLLM priority (lower first): hinted class, else the client's; then the program's start."""
+    def priority_for(self, s: VSession, client_priority: int, request_id: str | None = None) -> int:
+        """vLLM priority (lower first): hinted class, else the client's; then whether the session holds a
+        pin (``HINTFLOW_PINNED_FIRST``); then the program's start, aged as of the request's arrival (so
+        re-keying a queued request later does not age it again)."""
         if not self._priority_policy():
             return client_priority
         major = s.priority_class if s.priority_class is not None else client_priority
         start = s.program_start_s if s.program_start_s is not None else s.first_seen_s
-        start = max(start, self.book.clock() - self.aging_s)  # bounded head start: no starvation
+        arrived = self._req_start.get(request_id, self.book.clock()) if request_id is not None else self.book.clock()
+        if request_id is not None:
+            self._req_start.setdefault(request_id, arrived)
+        start = max(start, arrived - self.aging_s)  # bounded head start: no starvation
         # Clamped as a float before int(): under strict FCFS (aging inf) a hinted age reaches back without
         # bound, and int() of a huge float is a huge int (or OverflowError near the float's limit).
         ms = (start - self._epoch_s + 86400.0) * 1000.0  # + a day: hinted ages reach back
         ms = min(ms, float(PRIORITY_SCALE - 1)) if ms >= 0.0 else 0.0  # NaN: 0
-        return int(major) * PRIORITY_SCALE + int(ms)
+        band = 0 if self.pinned_first and s.pin_deadline_s is not None else 1  # (Request.sort_key's rule)
+        return int(major) * CLASS_SCALE + band * PRIORITY_SCALE + int(ms)
+
+    def _requeue_priority(self, request: Any) -> int | None:
+        s = self._req_session.get(request.request_id)
+        if s is None:
+            return None
+        return self._safe_priority(s, self._client_priority.get(request.request_id, 0), request.request_id)
 
     def _priority_policy(self) -> bool:
         # by name, as vLLM's SchedulingPolicy.PRIORITY (_compat checks it), so this module imports no vLLM
@@ -266,7 +285,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             if reqs:
                 queue.remove_requests(reqs)
                 for r in reqs:
-                    r.priority = self._safe_priority(s, self._client_priority.get(r.request_id, 0))
+                    r.priority = self._safe_priority(s, self._client_priority.get(r.request_id, 0), r.request_id)
                     queue.add_request(r)
                 moved += len(reqs)
         return moved
@@ -280,6 +299,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             self._promote_overdue()
             if self.yield_pins:
                 self._yield_pins_to_older()
+            self._sync_pinned_band()
             self._admit = self._admission_state() if self.admit_guard and self.waiting else None
             try:
                 out = super().schedule(*args, **kwargs)
@@ -361,6 +381,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             return
         s = self._req_session.pop(request.request_id, None)
         self._client_priority.pop(request.request_id, None)
+        self._req_start.pop(request.request_id, None)
         self._overdue.discard(request.request_id)
         self.accounting.on_finished(request, s)
         if s is None or not self.pins_supported:

@@ -111,12 +111,15 @@ class HintInference:
         clock: Callable[[], float] | None = None,
         backlog_tokens: Callable[[], int] | None = None,
         host_reload_s_per_token: float | None = None,
+        pool_tokens: Callable[[], float] | None = None,
     ) -> None:
         """``reload_s_per_token`` fixes the re-prefill cost (a profile, as Continuum's fit) instead of
         measuring it; ``silent_min_s`` is the least silence after which a program is released;
         ``backlog_tokens()`` (prompt tokens the engine still has to compute) gives T its floor.
         ``host_reload_s_per_token``: the node has a host tier, and a context not pinned is copied back at
-        this cost per token (pins are priced by it alone and without T, ``HostTierTTL``)."""
+        this cost per token (pins are priced by it alone and without T, ``HostTierTTL``).
+        ``pool_tokens()``: the device pool in tokens; pins are then priced by the share of it they hold
+        (``ContinuumTTL``'s memory share, as the orchestrator's ``hintflow`` policy prices them)."""
         self.book = book
         self.clock = clock or book.clock
         self.defer_s = defer_s
@@ -125,9 +128,9 @@ class HintInference:
         self.rule: ContinuumTTL
         if host_reload_s_per_token is not None:
             host_s = host_reload_s_per_token
-            self.rule = HostTierTTL(self.pauses, lambda tokens: host_s * tokens)
+            self.rule = HostTierTTL(self.pauses, lambda tokens: host_s * tokens, pool_tokens=pool_tokens)
         else:
-            self.rule = _BacklogTTL(self.pauses, self.prefill_reload_s, floor_s=self.backlog_s)
+            self.rule = _BacklogTTL(self.pauses, self.prefill_reload_s, floor_s=self.backlog_s, pool_tokens=pool_tokens)
         self.programs: dict[str, _Program] = {}
         self.explicit_s: dict[str, float] = {}  # session id -> when it last got a hint over PushHints
         self.s_per_token = reload_s_per_token or 1e-4  # re-prefill cost, refined from this engine's steps

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapter._kv_manager import PinResult  # the embedded engine's answer to a pin, shared
+from engine_adapter._pin_order import deadlock_victims, program_start
 
 from ._free_queue import Block, place_by_next_use
 
-__all__ = ["PinResult", "SessionBook", "VSession"]
+__all__ = ["PinResult", "SessionBook", "VSession", "session_start"]
 
 IDLE_FORGET_S = 3600.0
 """A session with no request, pin or hint for this long is forgotten (its blocks are vLLM's again)."""
@@ -76,6 +77,19 @@ class VSession:
                 break
             n += 1
         return max(n, len(self.held))
+
+
+def session_start(s: VSession) -> float:
+    """The session's place in program FCFS (``_pin_order.program_start``)."""
+    return program_start(s.program_start_s, s.first_seen_s)
+
+
+def _seen(s: VSession) -> float:
+    return s.first_seen_s
+
+
+def _program(s: VSession) -> str:
+    return s.program_id
 
 
 @dataclass
@@ -269,16 +283,16 @@ class SessionBook:
         return n
 
     def force_unpin_latest(self) -> bool:
-        """Deadlock rule: pins block all progress, so the latest-arriving program lets go first."""
-        pinned = [s for s in self.sessions.values() if s.held]
-        if not pinned:
+        """Deadlock rule: pins block all progress, so the latest-started program lets go of every pin it
+        holds (``engine_adapter._pin_order.deadlock_victims``, the embedded node's rule too)."""
+        victims = deadlock_victims(
+            [s for s in self.sessions.values() if s.held], start=session_start, seen=_seen, program=_program
+        )
+        for s in victims:
+            s.pin_deadline_s = None
+            self._unpin(s)
+        if not victims:
             return False
-        s = max(pinned, key=lambda x: (x.program_start_s or x.first_seen_s, x.first_seen_s))
-        for sid in self.programs.get(s.program_id, {s.session_id}):
-            other = self.sessions.get(sid)
-            if other is not None and other.held:
-                other.pin_deadline_s = None
-                self._unpin(other)
         self.stats.forced_unpins += 1
         return True
 
