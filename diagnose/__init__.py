@@ -17,6 +17,7 @@ torch or vLLM, so a plain client script can record.
 
 from typing import TYPE_CHECKING
 
+from diagnose._advice import TTLAdvisor
 from diagnose._bill import price_run, render_price
 from diagnose._client import record_client
 from diagnose._price import (
@@ -43,7 +44,7 @@ from diagnose._records import (
     estimate_tokens,
     segment_hash,
 )
-from diagnose._usage import Usage, normalize_usage
+from diagnose._usage import Usage, jsonable_usage, normalize_usage
 
 if TYPE_CHECKING:
     from diagnose._cli import diagnose_command, price_command, render_diagnosis
@@ -66,6 +67,7 @@ __all__ = [
     "Run",
     "Segment",
     "Step",
+    "TTLAdvisor",
     "TraceFormatError",
     "TurnRecord",
     "Usage",
@@ -76,6 +78,7 @@ __all__ = [
     "diagnose_run",
     "estimate_tokens",
     "fixed_bill",
+    "jsonable_usage",
     "load_prices",
     "load_run",
     "normalize_usage",

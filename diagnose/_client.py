@@ -14,15 +14,14 @@ recorded when the stream is exhausted.
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from diagnose._record import Recorder, prompt_segments
 from diagnose._records import TurnRecord, jsonable
-from diagnose._usage import normalize_usage
+from diagnose._usage import Usage, jsonable_usage
 
-__all__ = ["record_client"]
+__all__ = ["called_tool", "record_client"]
 
 _ENDPOINTS = {
     ("messages", "create"): "anthropic",
@@ -48,6 +47,27 @@ class _Context:
         self.provider = provider
 
 
+def called_tool(response: Any) -> str:
+    """The first tool a response asks for: Anthropic ``tool_use`` blocks, OpenAI Chat ``tool_calls``,
+    Responses ``function_call`` items; "" when it asks for none."""
+    data = jsonable(response)
+    if not isinstance(data, dict):
+        return ""
+    for block in data.get("content") or []:  # Anthropic
+        if isinstance(block, dict) and block.get("type") == "tool_use":
+            return str(block.get("name", ""))
+    for choice in data.get("choices") or []:  # Chat Completions
+        message = choice.get("message") if isinstance(choice, dict) else None
+        for call in (message or {}).get("tool_calls") or []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and fn.get("name"):
+                return str(fn["name"])
+    for item in data.get("output") or []:  # Responses
+        if isinstance(item, dict) and item.get("type") == "function_call":
+            return str(item.get("name", ""))
+    return ""
+
+
 class _Proxy:
     """Follows attribute access down to a known endpoint; anything else is the client's own attribute."""
 
@@ -70,7 +90,7 @@ class _Endpoint:
 
     def __call__(self, **kwargs: Any) -> Any:
         start_s = self._ctx.recorder.clock()
-        t0 = time.perf_counter()
+        t0 = self._ctx.recorder.timer()
         result = self._create(**kwargs)
         if inspect.isawaitable(result):
             return self._finish_async(result, kwargs, start_s, t0)
@@ -83,20 +103,22 @@ class _Endpoint:
         if kwargs.get("stream") and (hasattr(result, "__iter__") or hasattr(result, "__aiter__")):
             return _Stream(result, self, kwargs, start_s, t0)
         self._record(kwargs, getattr(result, "usage", None), getattr(result, "id", ""), start_s,
-                     time.perf_counter() - t0, None)
+                     self._ctx.recorder.timer() - t0, None)
+        tool = called_tool(result)
+        if tool:  # the pause that follows is this tool's (the harness may still name it otherwise)
+            self._ctx.recorder.tool(self._ctx.program_id, self._ctx.session_id, tool)
         return result
 
     def _record(self, kwargs: Mapping[str, Any], usage: Any, response_id: Any, start_s: float,
                 latency_s: float, ttft_s: float | None) -> None:
         ctx = self._ctx
-        raw = jsonable(usage) if usage is not None else {}
-        u = normalize_usage(raw if isinstance(raw, dict) else {}, self._provider)
+        raw, u = jsonable_usage(usage, self._provider) or ({}, Usage(self._provider, None, None, None, None))
         ctx.recorder.turn(TurnRecord(
             program_id=ctx.program_id, session_id=ctx.session_id, turn=-1, start_unix_s=start_s,
             latency_s=latency_s, provider=self._provider, model=str(kwargs.get("model", "")),
             segments=prompt_segments(kwargs), input_tokens=u.input_tokens, output_tokens=u.output_tokens,
             cached_tokens=u.cached_tokens, cache_write_tokens=u.cache_write_tokens,
-            usage=raw if isinstance(raw, dict) else {}, ttft_s=ttft_s,
+            usage=raw, ttft_s=ttft_s,
             response_id=response_id if isinstance(response_id, str) else "",
             prompt_text=jsonable(kwargs) if ctx.recorder.keep_text else None,
         ))
@@ -115,7 +137,7 @@ class _Stream:
 
     def _see(self, chunk: Any) -> None:
         if self._ttft_s is None:
-            self._ttft_s = time.perf_counter() - self._t0
+            self._ttft_s = self._endpoint._ctx.recorder.timer() - self._t0
         data = jsonable(chunk)
         if not isinstance(data, dict):
             return
@@ -129,7 +151,7 @@ class _Stream:
         if not self._done:
             self._done = True
             self._endpoint._record(self._kwargs, self._usage or None, self._id, self._start_s,
-                                   time.perf_counter() - self._t0, self._ttft_s)
+                                   self._endpoint._ctx.recorder.timer() - self._t0, self._ttft_s)
 
     def __iter__(self) -> Any:
         for chunk in self._stream:

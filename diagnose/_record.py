@@ -122,10 +122,14 @@ class Recorder:
     (``turns``, ``pauses``, ``warnings`` hold everything recorded either way)."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, keep_text: bool = False,
-                 otel: bool = True, clock: Any = time.time) -> None:
+                 otel: bool = True, clock: Any = time.time, timer: Any = None) -> None:
+        """``clock`` dates the calls (seconds since the epoch); ``timer`` measures them (a monotonic
+        clock; by default ``time.perf_counter``, or ``clock`` itself when a clock of one's own is given,
+        as a simulation does)."""
         self.path = None if path is None else str(path)
         self.keep_text = keep_text
         self.clock = clock
+        self.timer = timer if timer is not None else (time.perf_counter if clock is time.time else clock)
         self.turns: list[TurnRecord] = []
         self.pauses: list[PauseRecord] = []
         self.warnings: list[WarningRecord] = []

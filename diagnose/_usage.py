@@ -18,7 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Usage", "normalize_usage"]
+from diagnose._records import jsonable
+
+__all__ = ["Usage", "jsonable_usage", "normalize_usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +74,13 @@ def normalize_usage(usage: Mapping[str, Any], provider: str = "") -> Usage:
     return Usage(provider or ("openai" if details else ""), _int(usage.get("input_tokens")),
                  _int(usage.get("output_tokens")), _int(details.get("cached_tokens")),
                  _int(details.get("cache_write_tokens", usage.get("cache_write_tokens"))))
+
+
+def jsonable_usage(usage: Any, provider: str = "") -> tuple[dict[str, Any], Usage] | None:
+    """An SDK's usage object (pydantic model, dataclass or dict) as (plain dict, normalised), or None."""
+    if usage is None:
+        return None
+    raw = jsonable(usage)
+    if not isinstance(raw, dict):
+        return None
+    return raw, normalize_usage(raw, provider)
