@@ -272,12 +272,12 @@ def _lines(path: str) -> Iterator[tuple[int, Any]]:
 def _kind_of(obj: Any) -> str:
     if not isinstance(obj, dict):
         return "?"
+    if "resourceSpans" in obj or ("attributes" in obj and "name" in obj and "context" in obj):
+        return "otel"  # (a span's own "kind" is its SpanKind: test for spans first)
     if "kind" in obj:
         return "recorded"
     if "program_id" in obj and "sessions" in obj:
         return "replay"
-    if "resourceSpans" in obj or ("attributes" in obj and "name" in obj):
-        return "otel"
     if "usage" in obj:
         return "usage-log"
     return "?"

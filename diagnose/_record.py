@@ -107,7 +107,9 @@ def token_segments(token_ids: Sequence[int], prefix_tokens: int = 0, block_token
     return tuple(out)
 
 
-def _tracer() -> Any:
+def _tracer(provider: Any = None) -> Any:
+    if provider is not None:
+        return provider.get_tracer("hintflow.diagnose")
     try:
         from opentelemetry import trace
     except ImportError:  # the spans are optional: the JSONL file is the record
@@ -122,10 +124,11 @@ class Recorder:
     (``turns``, ``pauses``, ``warnings`` hold everything recorded either way)."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, keep_text: bool = False,
-                 otel: bool = True, clock: Any = time.time, timer: Any = None) -> None:
+                 otel: bool = True, clock: Any = time.time, timer: Any = None,
+                 tracer_provider: Any = None) -> None:
         """``clock`` dates the calls (seconds since the epoch); ``timer`` measures them (a monotonic
         clock; by default ``time.perf_counter``, or ``clock`` itself when a clock of one's own is given,
-        as a simulation does)."""
+        as a simulation does).  Spans go to ``tracer_provider``, else OpenTelemetry's global one."""
         self.path = None if path is None else str(path)
         self.keep_text = keep_text
         self.clock = clock
@@ -133,7 +136,7 @@ class Recorder:
         self.turns: list[TurnRecord] = []
         self.pauses: list[PauseRecord] = []
         self.warnings: list[WarningRecord] = []
-        self._tracer = _tracer() if otel else None
+        self._tracer = _tracer(tracer_provider) if otel else None
         self._lock = threading.Lock()
         self._next_turn: dict[tuple[str, str], int] = {}
         self._last_end_s: dict[tuple[str, str], tuple[int, float]] = {}  # session -> (turn, end time)
@@ -210,7 +213,10 @@ class Recorder:
         if self._tracer is None or start_s is None:
             return
         try:
-            span = self._tracer.start_span(name, start_time=int(start_s * 1e9), attributes=attrs)
+            from opentelemetry.trace import SpanKind  # (importable: there is a tracer)
+
+            kind = SpanKind.CLIENT if name.startswith("chat") else SpanKind.INTERNAL
+            span = self._tracer.start_span(name, kind=kind, start_time=int(start_s * 1e9), attributes=attrs)
             span.end(end_time=int((end_s if end_s is not None else start_s) * 1e9))
         except Exception:  # telemetry must never fail the caller's model call
             logger.debug("could not emit span %s", name, exc_info=True)

@@ -121,6 +121,26 @@ class HintflowActivities:
         return [self.llm, self.tool, self.pause_started, self.pause_ended, self.program_end]
 
 
+class _BookkeepingOnly:
+    """Recording without a runtime: the workflow helpers' bookkeeping activities still need a worker to run
+    on (``pause(...)`` and the program-end notice), and do nothing else."""
+
+    @activity.defn(name=PAUSE_STARTED_ACTIVITY)
+    async def pause_started(self, inp: PauseInput) -> None:
+        return None
+
+    @activity.defn(name=PAUSE_ENDED_ACTIVITY)
+    async def pause_ended(self, inp: PauseInput) -> None:
+        return None
+
+    @activity.defn(name=PROGRAM_END_ACTIVITY)
+    async def program_end(self, inp: ProgramEndInput) -> None:
+        return None
+
+    def all(self) -> list[Any]:
+        return [self.pause_started, self.pause_ended, self.program_end]
+
+
 class _ActivityInbound(ActivityInboundInterceptor):
     def __init__(self, next: ActivityInboundInterceptor, owner: HintflowInterceptor) -> None:
         super().__init__(next)
@@ -245,7 +265,8 @@ class HintflowPlugin(SimplePlugin):
         self.recorder = (record_to if isinstance(record_to, Recorder) or record_to is None
                          else Recorder(record_to, keep_text=record_text))
         interceptor = HintflowInterceptor(runtime, model_activities, self.recorder)
-        activities = HintflowActivities(runtime).all() if runtime is not None else []
+        activities = HintflowActivities(runtime).all() if runtime is not None else (
+            _BookkeepingOnly().all() if self.recorder is not None else [])
         super().__init__(
             "hintflow.HintflowPlugin",
             interceptors=[interceptor],

@@ -93,10 +93,11 @@ class PromptBuilder:
         tool_list = sorted((_canonical(t) for t in (self.tools if tools is None else tools)), key=_tool_name)
         system_value = _canonical(self.system if system is None else system)
         messages = [_canonical(m) for m in history]
+        previous_len = len(self._sent)  # where the previous request ended (its entry is what we hope to read)
         self._check(tool_list, system_value, messages)
         option = self._option(tool_list, system_value, messages, next_tool)
         if self.api == "anthropic":
-            request = self._anthropic(tool_list, system_value, messages, option)
+            request = self._anthropic(tool_list, system_value, messages, option, previous_len - 1)
         else:
             request = self._openai(tool_list, system_value, messages, option)
         self.turn += 1
@@ -117,7 +118,7 @@ class PromptBuilder:
         return option.name, option.request
 
     def _anthropic(self, tools: list[Any], system: Any, messages: list[Any],
-                   option: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+                   option: tuple[str, dict[str, Any]], previous_end: int) -> dict[str, Any]:
         name, fields = option
         # the price file's request fields for the option; without one, "1h" asks for it and anything else
         # is the default ephemeral (5-minute) entry
@@ -137,12 +138,11 @@ class PromptBuilder:
         messages = [{**m, "content": _blocks(m.get("content", ""), "text")} if isinstance(m, dict) else m
                     for m in messages]
         marks = [len(messages) - 1]
-        previous = max((i for i, m in enumerate(messages[:-1]) if isinstance(m, dict) and m.get("role") == "user"),
-                       default=None)
-        if previous is not None and len(messages) - 1 - previous < 20:  # within the lookback of the newest
-            previous = None
-        if previous is not None:
-            marks.append(previous)
+        # A breakpoint finds an earlier entry only within 20 blocks before it: when this turn appended more
+        # than that, mark where the previous request ended too, so its entry is still read.
+        blocks_since = sum(len(m["content"]) for m in messages[max(previous_end, 0) + 1:] if isinstance(m, dict))
+        if 0 <= previous_end < len(messages) - 1 and blocks_since >= 20:
+            marks.append(previous_end)
         for i in marks[:budget]:
             if i >= 0 and isinstance(messages[i], dict) and messages[i]["content"]:
                 messages[i]["content"][-1] = {**messages[i]["content"][-1], "cache_control": cache_control}
