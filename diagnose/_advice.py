@@ -49,7 +49,7 @@ class TTLAdvisor:
             plan = _RenewalPlan(self.costs, name, dist, prompt_tokens if self.renew else 0)
             expected = (self.costs.call(name, prompt_tokens, hit_tokens)
                         + prompt_tokens * _expected_carry(self.costs, name, dist, plan))
-            if best is None or expected < best[0]:
+            if best is None or expected <= best[0]:  # a tie goes to the longer TTL
                 best = (expected, name)
         if best is None:
             raise ValueError("no caching option to choose from")

@@ -274,7 +274,7 @@ def predicted_bill(costs: CostModel, sessions: Sequence[Sequence[PriceTurn]], mo
                 costs, option, dist, 0)
             expected = costs.call(option, t.prompt_tokens, hit) + t.prompt_tokens * _expected_carry(
                 costs, option, dist, next_plan)
-            if best is None or expected < best[0]:
+            if best is None or expected <= best[0]:  # a tie goes to the longer TTL (options: shortest first)
                 best = (expected, option, next_plan)
         assert best is not None
         _, option, next_plan = best

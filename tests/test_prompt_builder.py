@@ -51,7 +51,7 @@ def _run(tmp_path: Path, api: str, *, use_builder: bool) -> tuple[float, Recorde
 
 @pytest.mark.parametrize("api", ["openai-chat", "anthropic"])
 def test_the_builder_keeps_the_prefix_stable_when_tools_come_in_random_order(tmp_path: Path, api: str) -> None:
-    before, plain = _run(tmp_path, api, use_builder=False)
+    before, _ = _run(tmp_path, api, use_builder=False)
     after, built = _run(tmp_path, api, use_builder=True)
     print(f"{api}: cached fraction of turns 1-9 without the builder {before:.1%}, with it {after:.1%}")
     assert before < 0.2  # the tools come first: a new order each turn and nothing after them is reused
