@@ -92,18 +92,21 @@ def prompt_segments(request: Mapping[str, Any]) -> tuple[Segment, ...]:
     return tuple(out)
 
 
-def token_segments(token_ids: Sequence[int], prefix_tokens: int = 0, block_tokens: int = 64) -> tuple[Segment, ...]:
-    """A token-id prompt (hintflow's ``llm`` activity) as a fixed prefix, then ``block_tokens``-token
-    history blocks, each hashed with everything before it (as a KV cache's block hashes are)."""
+def token_segments(token_ids: Sequence[int], prefix_tokens: int = 0,
+                   boundaries: Sequence[int] = ()) -> tuple[Segment, ...]:
+    """A token-id prompt (hintflow's ``llm`` activity) as a fixed prefix, then history segments cut at
+    ``boundaries`` (the session's earlier prompt lengths), each hashed with everything before it, as a
+    KV cache's block hashes are.  Cut where the previous calls ended, a call that extends the previous
+    prompt repeats its segments exactly, and a rewritten history shows as the first changed segment."""
+    n = len(token_ids)
+    cuts = sorted({c for c in (prefix_tokens, *boundaries) if 0 < c < n} | {n})
     out: list[Segment] = []
-    if prefix_tokens:
-        out.append(Segment("prefix", segment_hash(json.dumps(list(token_ids[:prefix_tokens]))), prefix_tokens))
-    parent = out[0].hash if out else ""
-    for start in range(prefix_tokens, len(token_ids), block_tokens):
-        chunk = list(token_ids[start:start + block_tokens])
-        h = segment_hash(parent + json.dumps(chunk))
-        out.append(Segment("history", h, len(chunk)))
-        parent = h
+    parent, start = "", 0
+    for end in cuts:
+        block = "prefix" if start == 0 and end == prefix_tokens else "history"
+        h = segment_hash(parent + json.dumps(list(token_ids[start:end])))
+        out.append(Segment(block, h, end - start))
+        parent, start = h, end
     return tuple(out)
 
 
@@ -141,6 +144,7 @@ class Recorder:
         self._next_turn: dict[tuple[str, str], int] = {}
         self._last_end_s: dict[tuple[str, str], tuple[int, float]] = {}  # session -> (turn, end time)
         self._tool: dict[tuple[str, str], str] = {}  # session -> the tool running in its pause
+        self._lengths: dict[tuple[str, str], list[int]] = {}  # session -> its earlier prompt lengths
         self._file: IO[str] | None = None
         if self.path is not None:
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
@@ -152,6 +156,11 @@ class Recorder:
         """The index the session's next turn will get (0 for its first)."""
         with self._lock:
             return self._next_turn.get((program_id, session_id), 0)
+
+    def prompt_lengths(self, program_id: str, session_id: str) -> list[int]:
+        """The session's earlier prompt lengths (for ``token_segments``); the caller appends to it."""
+        with self._lock:
+            return self._lengths.setdefault((program_id, session_id), [])
 
     def tool(self, program_id: str, session_id: str, name: str) -> None:
         """A tool (or a person: ``"human"``) now holds the session; its pause is written at the next turn."""

@@ -62,14 +62,45 @@ def test_a_hintflow_llm_turn_records_the_engine_numbers() -> None:
     inp = LLMInput("s", ids, max_new_tokens=4, prefix_key="sys", prefix_tokens=100)
     res = LLMResult(token_ids=[1, 2, 3, 4], node="10.0.0.5:50051", num_prompt_tokens=300, num_cached_tokens=180,
                     num_host_hit_tokens=20, ttft_s=0.05, queue_wait_s=0.01)
-    rec = turn_from_activity("p", "s", inp, res, 1000.0, 0.2)
+    lengths: list[int] = []
+    rec = turn_from_activity("p", "s", inp, res, 1000.0, 0.2, lengths)
     assert (rec.input_tokens, rec.cached_tokens, rec.output_tokens) == (300, 200, 4)
     assert (rec.ttft_s, rec.queue_wait_s, rec.node, rec.provider) == (0.05, 0.01, "10.0.0.5:50051", "hintflow")
-    assert [s.block for s in rec.segments] == ["prefix", "history", "history", "history", "history"]
-    assert sum(s.num_tokens for s in rec.segments) == 300
-    longer = turn_from_activity("p", "s", LLMInput("s", [*ids, 7, 8], prefix_tokens=100), res, 1001.0, 0.2)
-    assert longer.segments[:4] == rec.segments[:4]  # the next turn repeats the prefix and the full blocks
-    assert longer.segments[4] != rec.segments[4]
+    assert [(s.block, s.num_tokens) for s in rec.segments] == [("prefix", 100), ("history", 200)]
+    longer = turn_from_activity("p", "s", LLMInput("s", [*ids, 7, 8], prefix_tokens=100), res, 1001.0, 0.2, lengths)
+    assert longer.segments[:2] == rec.segments  # cut where the previous call ended: repeated exactly
+    assert [s.num_tokens for s in longer.segments] == [100, 200, 2] and lengths == [300, 302]
+    rewritten = turn_from_activity("p", "s", LLMInput("s", [*ids[:250], 9, *ids[251:], 7, 8, 5], prefix_tokens=100),
+                                   res, 1002.0, 0.2, lengths)
+    assert rewritten.segments[0] == rec.segments[0] and rewritten.segments[1] != rec.segments[1]
     recorder = Recorder(None, otel=False)
     recorder.turn(rec)
     assert recorder.turns[0].turn == 0
+
+
+async def test_the_example_coding_agent_on_an_engine_node_is_recorded_with_the_engines_numbers(
+    temporal_env: Any, start_engine: Any, tmp_path: Path
+) -> None:
+    from orchestrator import PauseModel
+    from workflows import HintRuntime
+    from workflows.examples import CodingAgent, CodingAgentInput
+
+    node = await start_engine("node-record")
+    runtime = HintRuntime([node.address], "hintflow", pause_model=PauseModel(default_mean_s=0.05, min_samples=20))
+    path = tmp_path / "coding.jsonl"
+    plugin = HintflowPlugin(runtime=runtime, record_to=path)
+    tq, wid = f"tq-{uuid.uuid4()}", f"wf-{uuid.uuid4()}"
+    inp = CodingAgentInput(turns=4, task_tokens=200, tool_output_tokens=32, time_scale=0.02, tool_max_s=1.0)
+    async with Worker(temporal_env.client, task_queue=tq, workflows=[CodingAgent], plugins=[plugin]):
+        await temporal_env.client.execute_workflow(CodingAgent.run, inp, id=wid, task_queue=tq,
+                                                   execution_timeout=timedelta(seconds=120))
+    assert plugin.recorder is not None
+    plugin.recorder.close()
+    run = load_run(path)
+    assert [t.turn for t in run.turns] == [0, 1, 2, 3]
+    assert all(t.provider == "hintflow" and t.node == node.address and t.ttft_s is not None for t in run.turns)
+    assert [t.tool for t in run.turns[:3]] == ["bash"] * 3 and all(t.pause_s is not None for t in run.turns[:3])
+    assert all((t.cached_tokens or 0) > 0 for t in run.turns[1:])  # the engine kept the context across pauses
+    diag = diagnose_run(run)
+    assert diag.finding("early_blocks").status == "ok"
+    assert diag.finding("prefix_reuse").numbers["repeated_fraction"] > 0.8

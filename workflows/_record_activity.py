@@ -2,7 +2,7 @@
 becomes what ``diagnose`` reads, written by a ``diagnose.Recorder``.
 
 * A model-call activity is a turn.  hintflow's own ``hintflow.llm`` gives a token-id prompt (a fixed
-  prefix, then 64-token history blocks) and the engine's numbers: prompt and cached tokens (host-tier
+  prefix, then history cut where the session's earlier calls ended) and the engine's numbers: prompt and cached tokens (host-tier
   hits included), TTFT, queue wait, node.  The OpenAI Agents integration's ``invoke_model_activity`` gives
   the request (tools, instructions, input: hashed block by block) and the response's usage.
 * Any other activity is the tool that holds the session; a ``pause("human")`` wait names its pause too.
@@ -24,12 +24,16 @@ __all__ = ["record_activity", "turn_from_activity"]
 
 
 def turn_from_activity(program_id: str, session_id: str, arg: Any, result: Any, start_s: float,
-                       latency_s: float) -> TurnRecord:
-    """A turn record from a model activity's input and result (hintflow's, or openai_agents')."""
+                       latency_s: float, earlier_lengths: list[int] | None = None) -> TurnRecord:
+    """A turn record from a model activity's input and result (hintflow's, or openai_agents').
+    ``earlier_lengths``: the session's earlier prompt lengths, where a token-id prompt is cut (and to
+    which this prompt's length is added)."""
     rec = TurnRecord(program_id, session_id, -1, start_unix_s=start_s, latency_s=latency_s)
     if isinstance(arg, LLMInput):
         rec.provider = "hintflow"
-        rec.segments = token_segments(arg.prompt_token_ids, arg.prefix_tokens)
+        lengths = earlier_lengths if earlier_lengths is not None else []
+        rec.segments = token_segments(arg.prompt_token_ids, arg.prefix_tokens, lengths)
+        lengths.append(len(arg.prompt_token_ids))
         if isinstance(result, LLMResult):
             rec.input_tokens = result.num_prompt_tokens or len(arg.prompt_token_ids)
             rec.output_tokens = len(result.token_ids)
@@ -65,5 +69,7 @@ async def record_activity(recorder: Recorder, program_id: str, session_id: str, 
         return await run()
     start_s, t0 = time.time(), time.perf_counter()
     result = await run()
-    recorder.turn(turn_from_activity(program_id, session_id, arg, result, start_s, time.perf_counter() - t0))
+    lengths = recorder.prompt_lengths(program_id, session_id)
+    recorder.turn(turn_from_activity(program_id, session_id, arg, result, start_s, time.perf_counter() - t0,
+                                     lengths))
     return result
