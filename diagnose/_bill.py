@@ -72,8 +72,8 @@ def render_price(result: dict[str, Any], max_turns: int = 20) -> Any:
     from rich.console import Group
     from rich.table import Table
 
-    bills = Table(title=f"prompt-side bill, {result['provider']} {result['model']} "
-                        f"(prices checked {result['prices_checked']}; output ${result['output_usd']:.4f} under any option)")
+    bills = Table(title=f"prompt-side bill, {result['provider']} {result['model']} (prices checked "
+                        f"{result['prices_checked']}; output ${result['output_usd']:.4f} under any option)")
     bills.add_column("option")
     bills.add_column("TTL", justify="right")
     bills.add_column("total USD", justify="right")
@@ -96,7 +96,10 @@ def render_price(result: dict[str, Any], max_turns: int = 20) -> Any:
     for t in result["turns"][:max_turns]:
         def label(c: dict[str, Any]) -> str:
             return c["option"] + (f" +{c['renewals_before']}r" if c["renewals_before"] else "")
-        turns.add_row(f"{t['program_id']}/{t['session_id']}"[-24:], str(t["turn"]), str(t["prompt_tokens"]), str(t["reused_tokens"]),
+        session = t["session_id"]
+        if not session.startswith(t["program_id"]):
+            session = f"{t['program_id']}/{session}"
+        turns.add_row(session[-24:], str(t["turn"]), str(t["prompt_tokens"]), str(t["reused_tokens"]),
                       f"{t['gap_before_s']:.0f}", label(t["recommended"]), f"{t['recommended']['cost_usd']:.4f}",
                       label(t["predicted"]), f"{t['predicted']['cost_usd']:.4f}")
-    return Group(bills, turns)
+    return Group(bills, turns) if max_turns else bills

@@ -167,8 +167,9 @@ def spans_to_records(spans: Iterable[Mapping[str, Any]]) -> tuple[list[TurnRecor
             turns.append(_span_turn(program, session, i, span))
             if i + 1 < len(items) and span["end_s"] is not None and items[i + 1]["start_s"] is not None:
                 gap_s = max(0.0, items[i + 1]["start_s"] - span["end_s"])
+                gap_start, gap_end = span["end_s"] - 1e-3, items[i + 1]["start_s"]
                 inside = [t for t in tools.get((program, session), [])
-                          if t["start_s"] is not None and span["end_s"] - 1e-3 <= t["start_s"] <= items[i + 1]["start_s"]]
+                          if t["start_s"] is not None and gap_start <= t["start_s"] <= gap_end]
                 name = str(inside[0]["attributes"].get(ATTR["tool_name"]) or "pause") if inside else "pause"
                 pauses.append(PauseRecord(program, session, i, name, gap_s))
     return turns, pauses

@@ -138,7 +138,8 @@ def _segment(raw: Any, i: int) -> Segment:
     if not _is_name(raw.get("hash")):
         raise ValueError(f"turn record: segments[{i}].hash must be a non-empty string, got {raw.get('hash')!r}")
     if not _is_count(raw.get("num_tokens")):
-        raise ValueError(f"turn record: segments[{i}].num_tokens must be an integer >= 0, got {raw.get('num_tokens')!r}")
+        raise ValueError(f"turn record: segments[{i}].num_tokens must be an integer >= 0, "
+                         f"got {raw.get('num_tokens')!r}")
     items = raw.get("items", [])
     if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
         raise ValueError(f"turn record: segments[{i}].items must be a list of strings")

@@ -46,7 +46,8 @@ def _figure(plot: Any, diag: Diagnosis, caption: str, *, ncols: int = 1,
     try:
         empty = plot(axes[0], diag)
         if empty:
-            return f'<figure><div class="nodata">{html.escape(empty)}</div><figcaption>{html.escape(caption)}</figcaption></figure>'
+            return (f'<figure><div class="nodata">{html.escape(empty)}</div>'
+                    f"<figcaption>{html.escape(caption)}</figcaption></figure>")
         fig.tight_layout()
         return f"<figure>{_svg(fig)}<figcaption>{html.escape(caption)}</figcaption></figure>"
     finally:
@@ -114,10 +115,10 @@ def _plot_speed(axes: Any, diag: Diagnosis) -> str:
     for ax, xs, xlabel in ((axes[0], [f.pause_before_s or 0.0 for f in timed], "pause before the turn (s)"),
                            (axes[1], [f.reuse_fraction for f in timed], "prefix repeated from the previous turn")):
         ys = [f.rec.speed_s for f in timed]
-        ax.scatter([x for x, c in zip(xs, cold, strict=True) if not c], [y for y, c in zip(ys, cold, strict=True) if not c],
-                   s=14, color="C0", label="warm")
-        ax.scatter([x for x, c in zip(xs, cold, strict=True) if c], [y for y, c in zip(ys, cold, strict=True) if c],
-                   s=14, color="C3", marker="^", label="cold or changed prefix")
+        for want, style in ((False, {"color": "C0", "label": "warm"}),
+                            (True, {"color": "C3", "marker": "^", "label": "cold or changed prefix"})):
+            pts = [(x, y) for x, y, c in zip(xs, ys, cold, strict=True) if c == want]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, **style)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         ax.legend(fontsize=8)

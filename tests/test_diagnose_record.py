@@ -115,7 +115,8 @@ def test_an_async_streaming_client_is_recorded_with_its_time_to_first_token(tmp_
     async def create(**kwargs: Any) -> Any:
         chunks = [SimpleNamespace(id="c1", choices=[], usage=None),
                   SimpleNamespace(id="c1", choices=[], usage=SimpleNamespace(
-                      prompt_tokens=2000, completion_tokens=5, prompt_tokens_details=SimpleNamespace(cached_tokens=1920)))]
+                      prompt_tokens=2000, completion_tokens=5,
+                      prompt_tokens_details=SimpleNamespace(cached_tokens=1920)))]
         return _AsyncChunks(chunks)
 
     fake = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)), api_key="x")

@@ -117,7 +117,8 @@ def test_openai_requests_carry_the_cache_key_retention_and_gpt_5_6_breakpoints()
     assert req["prompt_cache_options"] == {"ttl": "30m"} and "prompt_cache_retention" not in req
     marked = [m for m in req["input"] if "prompt_cache_breakpoint" in json.dumps(m)]
     assert [m["role"] for m in marked] == ["developer", "user"]  # the system block and the newest message
-    assert marked[1]["content"][-1] == {"type": "input_text", "text": "q2", "prompt_cache_breakpoint": {"mode": "explicit"}}
+    assert marked[1]["content"][-1] == {"type": "input_text", "text": "q2",
+                                        "prompt_cache_breakpoint": {"mode": "explicit"}}
     settings = newer.agents_model_settings()
     assert settings == {"extra_args": {"prompt_cache_key": "agent-3", "prompt_cache_options": {"ttl": "30m"}}}
     assert [t["function"]["name"] for t in PromptBuilder.order_tools(list(reversed(openai_tools(TOOLS))))] == sorted(

@@ -103,7 +103,8 @@ class PromptBuilder:
         self.turn += 1
         return request
 
-    def _option(self, tools: list[Any], system: Any, messages: list[Any], next_tool: str | None) -> tuple[str, dict[str, Any]]:
+    def _option(self, tools: list[Any], system: Any, messages: list[Any],
+                next_tool: str | None) -> tuple[str, dict[str, Any]]:
         """(name, request fields) of the cache option for this request."""
         if self.ttl is None:
             return "", {}
@@ -160,8 +161,8 @@ class PromptBuilder:
         if self.explicit_breakpoints:
             messages = [self._mark(m, text_type) if i == len(messages) - 1 else m for i, m in enumerate(messages)]
         if system:
-            sys_message: dict[str, Any] = {"role": "developer" if responses else "system",
-                                           "content": _blocks(system, text_type) if self.explicit_breakpoints else system}
+            content = _blocks(system, text_type) if self.explicit_breakpoints else system
+            sys_message: dict[str, Any] = {"role": "developer" if responses else "system", "content": content}
             if self.explicit_breakpoints:
                 sys_message = self._mark(sys_message, text_type)
             if responses and not self.explicit_breakpoints:

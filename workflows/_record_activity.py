@@ -2,9 +2,10 @@
 becomes what ``diagnose`` reads, written by a ``diagnose.Recorder``.
 
 * A model-call activity is a turn.  hintflow's own ``hintflow.llm`` gives a token-id prompt (a fixed
-  prefix, then history cut where the session's earlier calls ended) and the engine's numbers: prompt and cached tokens (host-tier
-  hits included), TTFT, queue wait, node.  The OpenAI Agents integration's ``invoke_model_activity`` gives
-  the request (tools, instructions, input: hashed block by block) and the response's usage.
+  prefix, then history cut where the session's earlier calls ended) and the engine's numbers: prompt
+  and cached tokens (host-tier hits included), TTFT, queue wait, node.  The OpenAI Agents
+  integration's ``invoke_model_activity`` gives the request (tools, instructions, input: hashed block by
+  block) and the response's usage.
 * Any other activity is the tool that holds the session; a ``pause("human")`` wait names its pause too.
   The pause itself is written when the session's next turn starts.
 
