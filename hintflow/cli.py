@@ -398,6 +398,17 @@ def _register_replay() -> None:
 _register_replay()
 
 
+def _register_diagnose() -> None:
+    """``hintflow diagnose`` and ``hintflow price`` (the hosted-API side: docs/hosted-apis.md)."""
+    from diagnose import diagnose_command, price_command
+
+    hintflow.add_command(diagnose_command, "diagnose")
+    hintflow.add_command(price_command, "price")
+
+
+_register_diagnose()
+
+
 @engine.command("bench")
 @click.option(
     "--sessions", type=click.IntRange(min=1), default=10_000, show_default=True, help="Live sessions."

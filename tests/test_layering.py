@@ -130,7 +130,7 @@ def test_the_code_keeps_the_layering_of_the_architecture_page() -> None:
 
 
 @pytest.mark.parametrize("package", ["hints", "predictors", "engine_adapter", "engine_adapter.vllm_backend",
-                                     "orchestrator", "workflows", "replay", "hintflow"])
+                                     "orchestrator", "workflows", "replay", "diagnose", "hintflow"])
 def test_every_face_exports_what_it_lists(package: str) -> None:
     module = importlib.import_module(package)
     exported = module.__all__

@@ -9,7 +9,8 @@ Worker/client side::
     from workflows import HintflowPlugin
     client = await Client.connect(address, plugins=[HintflowPlugin(engines=["host:port"])])
 
-Worker-side names are loaded on first use so that workflow code never imports grpc.
+Worker-side names are loaded on first use so that workflow code never imports grpc.  ``PromptBuilder``
+(stable prompts and cache breakpoints for hosted APIs, ``_prompt``) is one of them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from workflows._api import (
 
 if TYPE_CHECKING:
     from workflows._plugin import HintflowActivities, HintflowInterceptor, HintflowPlugin
+    from workflows._prompt import PromptBuilder
     from workflows._publisher import HintPublisher
     from workflows._runtime import EngineUnavailable, HintRuntime, InvalidPrompt, ProgramStats, turn_client
 
@@ -48,6 +50,7 @@ _LAZY = {
     "InvalidPrompt": "workflows._runtime",
     "turn_client": "workflows._runtime",
     "HintPublisher": "workflows._publisher",
+    "PromptBuilder": "workflows._prompt",
 }
 
 __all__ = [
@@ -63,6 +66,7 @@ __all__ = [
     "PauseInput",
     "ProgramEndInput",
     "ProgramStats",
+    "PromptBuilder",
     "ToolInput",
     "ToolResult",
     "current_session",

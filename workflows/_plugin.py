@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -38,6 +39,7 @@ from temporalio.worker import (
 )
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
+from diagnose import Recorder
 from workflows._api import (
     LLM_ACTIVITY,
     PAUSE_ENDED_ACTIVITY,
@@ -54,6 +56,7 @@ from workflows._api import (
     ToolInput,
     ToolResult,
 )
+from workflows._record_activity import record_activity
 from workflows._runtime import EngineUnavailable, HintRuntime, InvalidPrompt
 from workflows._workflow_interceptor import HintflowWorkflowInbound, header_text, text_header
 
@@ -118,12 +121,45 @@ class HintflowActivities:
         return [self.llm, self.tool, self.pause_started, self.pause_ended, self.program_end]
 
 
+class _BookkeepingOnly:
+    """Recording without a runtime: the workflow helpers' bookkeeping activities still need a worker to run
+    on (``pause(...)`` and the program-end notice), and do nothing else."""
+
+    @activity.defn(name=PAUSE_STARTED_ACTIVITY)
+    async def pause_started(self, inp: PauseInput) -> None:
+        return None
+
+    @activity.defn(name=PAUSE_ENDED_ACTIVITY)
+    async def pause_ended(self, inp: PauseInput) -> None:
+        return None
+
+    @activity.defn(name=PROGRAM_END_ACTIVITY)
+    async def program_end(self, inp: ProgramEndInput) -> None:
+        return None
+
+    def all(self) -> list[Any]:
+        return [self.pause_started, self.pause_ended, self.program_end]
+
+
 class _ActivityInbound(ActivityInboundInterceptor):
     def __init__(self, next: ActivityInboundInterceptor, owner: HintflowInterceptor) -> None:
         super().__init__(next)
         self._owner = owner
 
     async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        info = activity.info()
+        recorder = self._owner.recorder
+        if recorder is None or not info.workflow_id:
+            return await self._observe(input)
+        session_id = header_text(input.headers, SESSION_HEADER) or info.workflow_id
+        kind = info.activity_type
+        tool = None if kind in _BOOKKEEPING else header_text(input.headers, TOOL_HEADER) or kind
+        is_model_call = kind in self._owner.model_activities
+        return await record_activity(recorder, info.workflow_id, session_id, kind, input.args, tool,
+                                     is_model_call, lambda: self._observe(input))
+
+    async def _observe(self, input: ExecuteActivityInput) -> Any:
+        """Program events for the hint runtime (when there is one), around the activity."""
         info = activity.info()
         rt = self._owner.runtime
         if rt is None or info.activity_type in _BOOKKEEPING or not info.workflow_id:
@@ -172,10 +208,12 @@ class HintflowInterceptor(client.Interceptor, worker.Interceptor):
     """Worker side: activity events to the runtime; workflow side: headers and program end; client: submit time."""
 
     def __init__(
-        self, runtime: HintRuntime | None, model_activities: Iterable[str] = DEFAULT_MODEL_ACTIVITIES
+        self, runtime: HintRuntime | None, model_activities: Iterable[str] = DEFAULT_MODEL_ACTIVITIES,
+        recorder: Recorder | None = None,
     ):
         self.runtime = runtime
         self.model_activities = frozenset(model_activities)
+        self.recorder = recorder  # opt-in: every turn and pause to a diagnose.Recorder
 
     def intercept_client(self, next: client.OutboundInterceptor) -> client.OutboundInterceptor:
         return _ClientOutbound(next)
@@ -203,6 +241,11 @@ class HintflowPlugin(SimplePlugin):
     ``engines`` (host:port of engine nodes) builds a ``HintRuntime`` started and stopped with each worker;
     pass ``runtime`` to share one you manage.  Without either, the plugin still tags and observes (client
     side only, e.g. a process that just starts workflows).
+
+    ``record_to`` (a path, or a ``diagnose.Recorder``) records every turn and pause of every program this
+    worker runs, for ``hintflow diagnose`` and ``hintflow price``; it needs no engine (a workflow that
+    calls a hosted model through the OpenAI Agents integration is recorded too).  Prompt text is kept only
+    with ``record_text=True``.
     """
 
     def __init__(
@@ -212,13 +255,18 @@ class HintflowPlugin(SimplePlugin):
         *,
         runtime: HintRuntime | None = None,
         model_activities: Iterable[str] = DEFAULT_MODEL_ACTIVITIES,
+        record_to: str | os.PathLike[str] | Recorder | None = None,
+        record_text: bool = False,
         **runtime_kw: Any,
     ) -> None:
         if runtime is None and engines:
             runtime = HintRuntime(engines, policy, **runtime_kw)
         self.runtime = runtime
-        interceptor = HintflowInterceptor(runtime, model_activities)
-        activities = HintflowActivities(runtime).all() if runtime is not None else []
+        self.recorder = (record_to if isinstance(record_to, Recorder) or record_to is None
+                         else Recorder(record_to, keep_text=record_text))
+        interceptor = HintflowInterceptor(runtime, model_activities, self.recorder)
+        activities = HintflowActivities(runtime).all() if runtime is not None else (
+            _BookkeepingOnly().all() if self.recorder is not None else [])
         super().__init__(
             "hintflow.HintflowPlugin",
             interceptors=[interceptor],
