@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from replay._vllm_workload import AgentProgram, AgentSession
+from replay._vllm_workload import BLOCK, AgentProgram, AgentSession
 
 __all__ = ["HintPusher", "ProgramResult", "TurnResult", "run_program"]
 
@@ -70,6 +70,7 @@ class HintPusher:
         from orchestrator import get_policy
 
         host = None if host_s_per_token is None else (lambda n: host_s_per_token * n)
+        self.s_per_token = s_per_token
         pool = None if pool_tokens is None else (lambda: pool_tokens)
         self.policy = get_policy(policy_name, prefill_reload=lambda n: s_per_token * n, host_reload=host,
                                  pool_tokens=pool)
@@ -81,28 +82,44 @@ class HintPusher:
         self.codes: Counter[str] = Counter()
         self._stop = threading.Event()
         self._batch = 0
+        # The programs' clock: events carry seconds since the run's start (``run_program``'s ``t0``), and
+        # ticks must count from the same origin, or the policy sees its ticks ahead of its events.
+        self.t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="hint-pusher", daemon=True)
         self._thread.start()
 
     def event(self, ev: Any) -> None:
         self.events.put(ev)
 
+    def observe_evicted(self, queue_delay_s: float) -> None:
+        """A turn found its context gone and queued this long: Continuum's T, as the live runtime feeds it
+        from the node's report (here the client's time to first token less the re-prefill it needed)."""
+        self.events.put(("evicted", queue_delay_s))
+
+    def _on(self, ev: Any) -> list[Any]:
+        if isinstance(ev, tuple):
+            ttl = getattr(self.policy, "ttl", None)
+            if ttl is not None:
+                ttl.observe_evicted_queue_delay(max(0.0, float(ev[1])))
+            return []
+        out: list[Any] = self.policy.on_event(ev)
+        return out
+
     def _run(self) -> None:
         from orchestrator import Tick
 
-        t0 = time.monotonic()
         next_tick = 0.0
         while not self._stop.is_set():
-            now = time.monotonic() - t0
+            now = time.monotonic() - self.t0
             hints: list[Any] = []
             try:
                 ev = self.events.get(timeout=max(0.0, next_tick - now))
-                hints += self.policy.on_event(ev)
+                hints += self._on(ev)
                 while True:
-                    hints += self.policy.on_event(self.events.get_nowait())
+                    hints += self._on(self.events.get_nowait())
             except queue.Empty:
                 pass
-            now = time.monotonic() - t0
+            now = time.monotonic() - self.t0
             if now >= next_tick:
                 hints += self.policy.on_event(Tick(now_s=now))
                 next_tick = now + self.tick_s
@@ -194,6 +211,8 @@ def _run_session(
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         record(TurnResult(sent, ttft, end - sent, int(usage.get("prompt_tokens", 0)), cached, already, sid))
         if pusher is not None:
+            if already and cached < already - BLOCK:  # its context (beyond one partial block) was gone
+                pusher.observe_evicted(ttft - pusher.s_per_token * max(0, len(context) - cached))
             pusher.event(TurnEnded(pid, sid, end, len(context) + turn.output_tokens))
         if turn.tool is not None:
             if pusher is not None:

@@ -159,6 +159,8 @@ def run_mode(
                                 pool_tokens=float(num_blocks * BLOCK))
         client_mode = "infer" if base_mode == "hintflow-infer" else "plain"
         t0 = time.monotonic() + 0.5
+        if pusher is not None:
+            pusher.t0 = t0  # events and ticks on the programs' clock
         with ThreadPoolExecutor(max_workers=len(programs)) as pool:
             futs = [pool.submit(run_program, base, str(model), p, t0, client_mode, pusher) for p in programs]
             if progress is not None:

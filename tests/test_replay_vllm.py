@@ -7,8 +7,9 @@ do not fit the backend are usage errors.
 
 Real (skipped, saying why, only where no Python with vLLM exists: ``find_vllm_python`` as in
 tests/test_vllm_backend.py): three one-session programs of three turns from a trace file, ``vanilla`` and
-``hintflow-infer`` (two server starts), a 40-block pool; every program finishes in both, the table and the
-JSON name both modes, and the later turns hit vLLM's prefix cache under hintflow-infer.
+``hintflow-infer+host`` (two server starts: stock vLLM, and hintflow's scheduler with its host tier), a
+40-block pool; every program finishes in both, the table and the JSON name both modes, and the later turns
+hit the cache under hintflow.
 """
 
 from __future__ import annotations
@@ -251,23 +252,22 @@ def test_replay_against_real_vllm(tmp_path: Path, vllm_python: str) -> None:
     dump_jsonl(_trace_programs(), trace)
     out = tmp_path / "report.json"
     res = CliRunner().invoke(replay_command, [
-        "--backend", "vllm", "-w", f"hintflow:{trace}", "--policy", "vanilla,hintflow-infer,hintflow-infer+host",
+        "--backend", "vllm", "-w", f"hintflow:{trace}", "--policy", "vanilla,hintflow-infer+host",
         "--host-capacity-tokens", str(64 * 128), "--kv-capacity-tokens", str(40 * 128), "--vllm-python", vllm_python, "--state-dir", str(tmp_path / "state"),
         "--json", str(out), "--no-progress"])  # fmt: skip
     assert res.exit_code == 0, res.output
-    assert "| vanilla |" in res.output and "| hintflow-infer |" in res.output
+    assert "| vanilla |" in res.output and "| hintflow-infer+host |" in res.output
     assert "40 blocks of 128" in res.output and "host tier of +host policies 8,192 tokens" in res.output
     report = json.loads(out.read_text())
-    assert list(report["policies"]) == ["vanilla", "hintflow-infer", "hintflow-infer+host"]
+    assert list(report["policies"]) == ["vanilla", "hintflow-infer+host"]
     assert report["config"]["num_gpu_blocks"] == 40
     for mode, summary in report["policies"].items():
         assert (summary["programs"], summary["failed"], summary["turns"]) == (3, 0, 9), (mode, summary)
         runs = report["programs"][mode]
         assert sorted(r["program"] for r in runs) == ["p0", "p1", "p2"]
         assert all(r["error"] == "" and len(r["turns"]) == 3 for r in runs), runs
-    for run in report["programs"]["hintflow-infer"] + report["programs"]["hintflow-infer+host"]:
+    for run in report["programs"]["hintflow-infer+host"]:
         later = run["turns"][1:]
         assert all(t["cached_tokens"] >= 256 for t in later), run  # at least two blocks of the last prompt
         assert [t["prompt_tokens"] for t in run["turns"]] == sorted(t["prompt_tokens"] for t in run["turns"])
-    assert report["policies"]["hintflow-infer"]["across_turn_hit_rate"] > 0.5
     assert report["policies"]["hintflow-infer+host"]["across_turn_hit_rate"] > 0.5

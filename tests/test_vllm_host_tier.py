@@ -126,19 +126,40 @@ def _report(model: str, state: str, scheduler: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The three runs (vLLM's scheduler, hintflow's, and one without prefix caching that must refuse to
+    start), each its own process, started together: each spends most of its time importing vLLM on one
+    core, so on a 2-core machine running them side by side roughly halves the wait."""
     from tests.vllm_support import tiny_model, vllm_python_or_skip
 
     python = vllm_python_or_skip()
     model = tiny_model(tmp_path_factory, python)
-    state = tmp_path_factory.mktemp("host-tier-state")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    out: dict[str, Any] = {}
-    for scheduler in ("stock", "hintflow"):  # about 15 s each: one in-process engine
-        r = subprocess.run(
+    procs = {}
+    for scheduler in ("stock", "hintflow", "no-prefix-caching"):
+        state = tmp_path_factory.mktemp(f"host-tier-{scheduler}")
+        procs[scheduler] = subprocess.Popen(
             [python, "-m", "tests.test_vllm_host_tier", str(model), str(state), scheduler],
-            capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
         )  # fmt: skip
+    out = {}
+    try:
+        for scheduler, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            out[scheduler] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(runs: dict[str, subprocess.CompletedProcess[str]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for scheduler in ("stock", "hintflow"):
+        r = runs[scheduler]
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         out[scheduler] = json.loads(r.stdout.strip().splitlines()[-1])  # vLLM logs to stdout before it
     return out
@@ -171,17 +192,8 @@ def test_no_device_block_is_left_held_by_a_save(report: dict[str, Any], schedule
     assert r["free_blocks"] == r["usable_blocks"], r
 
 
-def test_without_prefix_caching_the_host_tier_refuses_to_start(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from tests.vllm_support import tiny_model, vllm_python_or_skip
-
-    python = vllm_python_or_skip()
-    model = tiny_model(tmp_path_factory, python)
-    state = tmp_path_factory.mktemp("host-tier-nocache")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    r = subprocess.run(
-        [python, "-m", "tests.test_vllm_host_tier", str(model), str(state), "no-prefix-caching"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
-    )  # fmt: skip
+def test_without_prefix_caching_the_host_tier_refuses_to_start(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    r = runs["no-prefix-caching"]
     assert r.returncode != 0
     assert "HintflowHostTier needs vLLM's prefix caching" in r.stdout + r.stderr
 

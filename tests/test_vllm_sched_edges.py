@@ -292,8 +292,32 @@ def _host_tier(model: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _grace(model: str) -> dict[str, Any]:
+    """A session the orchestrator pinned once is held at its next turn's end until a decision arrives (at
+    most HINTFLOW_PIN_GRACE_S); one never pinned is freed at once; a decision of ttl 0 lets go."""
+    from engine_adapter.vllm_backend._hint_service import apply_hints
+    from hints import Pin
+
+    sched, request = _sched(model, infer=False)
+    engine = _Engine(sched, 1)
+    a, b = _prompt(1, 4 * BS + 10), _prompt(2, 4 * BS + 10)
+    engine.run(request(a, "a"))
+    engine.run(request(b, "b"))
+    apply_hints(sched, [Pin(session_id="a", ttl_s=0.0)])  # an orchestrator decision: a is "pinned" by it
+    engine.run(request([*a, 7, 7], "a"))  # a's next turn ends: no pin yet, the grace holds its context
+    engine.run(request([*b, 7, 7], "b"))
+    sa, sb = sched.book.sessions["a"], sched.book.sessions["b"]
+    out: dict[str, Any] = {"held_a": len(sa.held), "held_b": len(sb.held), "grace_holds": sched.grace_holds,
+                           "lease_s": (sa.pin_deadline_s or 0.0) - sched.book.clock()}
+    apply_hints(sched, [Pin(session_id="a", ttl_s=0.0)])  # the decision arrives: no pin
+    out["held_a_after"] = len(sa.held)
+    sched.book.check_invariants()
+    return out
+
+
 def _report(model: str) -> dict[str, Any]:
     return {
+        "grace": _grace(model),
         "preempt": _preemption(model, last_turn=False), "preempt_last": _preemption(model, last_turn=True),
         "abort": _abort_queued_turn(model), "deferred": _deferred_free(model), "reset": _reset_prefix_cache(model),
         "huge_age": _huge_age(model), "bad_ids": _bad_ids(model), "host_tier": _host_tier(model),
@@ -320,6 +344,13 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
     return out
+
+
+def test_an_orchestrated_session_is_held_at_its_turn_end_until_the_decision(report: dict[str, Any]) -> None:
+    r = report["grace"]
+    assert r["held_a"] == 4 and r["grace_holds"] == 1 and 0.0 < r["lease_s"] <= 0.5  # HINTFLOW_PIN_GRACE_S
+    assert r["held_b"] == 0  # never pinned by an orchestrator: freed as vLLM frees it
+    assert r["held_a_after"] == 0
 
 
 @pytest.mark.parametrize("case", ["preempt", "preempt_last"])

@@ -108,7 +108,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
     HINTFLOW_YIELD_PINS (1: pins of younger programs yield to the queue's head), HINTFLOW_TTFT_DEADLINE_S
     (inf: a request waiting this long goes first), HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
-    holds a pin goes ahead of unpinned ones of its class, as on the embedded node)."""
+    holds a pin goes ahead of unpinned ones of its class, as on the embedded node), HINTFLOW_PIN_GRACE_S
+    (0.5: a session the orchestrator pinned in the last HINTFLOW_INFER_DEFER_S is held this long at each
+    turn's end, until its next Pin decision arrives; 0: off)."""
 
     hintflow_async: ClassVar[bool] = False  # whether the vLLM base is AsyncScheduler (set in _scheduler)
 
@@ -178,6 +180,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.yield_pins = env_("HINTFLOW_YIELD_PINS", "1").strip().lower() not in {"0", "false", "no", "off"}
         self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
         self.pinned_first = env_("HINTFLOW_PINNED_FIRST", "1").strip().lower() not in {"0", "false", "no", "off"}
+        self.pin_grace_s = float(env_("HINTFLOW_PIN_GRACE_S", "0.5"))
+        self.pin_grace_window_s = float(env_("HINTFLOW_INFER_DEFER_S", "60"))  # "recently pinned": as inference's
+        self.grace_holds = 0
         self._overdue: set[str] = set()  # waiting requests already moved to the front (deadline passed)
         self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)
         self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle] for the current step
@@ -349,10 +354,11 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             )
         a = self.admit_stats
         log.info(
-            "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d%s"
+            "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d%s"
             " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d",
             self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
-            st.forced_unpins, st.yielded_pins, extra, len(self._started), a["held"], a["fit"], a["idle"], a["aged"],
+            st.forced_unpins, st.yielded_pins, self.grace_holds, extra, len(self._started), a["held"], a["fit"],
+            a["idle"], a["aged"],
         )  # fmt: skip
 
     def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -391,6 +397,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             return
         if self.infer is not None:
             self.infer.on_turn_end(s, request.num_tokens)
+        self._grace_hold(s)
         if self._request_blocks_can_be_freed(request):
             blocks = self.kv_cache_manager.pop_blocks_for_free(request)
             self.book.on_request_finished(s, request.request_id, blocks)
@@ -404,6 +411,25 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             super()._free_request_blocks(request)
         if self.infer is not None:
             self.infer.after_turn_end(s)
+
+    def _grace_hold(self, s: VSession) -> None:
+        """A session the orchestrator pins is held at its turn's end until the orchestrator's next decision
+        arrives (a Pin, or ``ttl_s=0``), for at most ``HINTFLOW_PIN_GRACE_S``.
+
+        Why: vLLM frees a finished request's blocks at once, and under memory pressure the next step reuses
+        them; the orchestrator learns of the turn's end only after the client does, so its pin reaches the
+        node tens of milliseconds (a busy worker: hundreds) after the blocks went back to the free queue.
+        Engine-side inference pins at the turn's end itself and needs no grace. A session that never got
+        a Pin (an orchestrator that only orders eviction, as KVFlow) is left alone."""
+        if (
+            self.pin_grace_s > 0.0
+            and s.pin_hinted_s is not None
+            and s.pin_deadline_s is None
+            and not s.released
+            and self.book.clock() - s.pin_hinted_s < self.pin_grace_window_s
+        ):
+            self.book.set_pin(s, self.pin_grace_s)
+            self.grace_holds += 1
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's cache reset (``pause_generation(clear_cache=True)``, weight updates) needs every block

@@ -124,6 +124,7 @@ def _apply(sched: HintSchedulerMixin, i: int, h: HintModel | HintDecodeError) ->
         raise _Invalid(str(h))
     if isinstance(h, Pin):
         s = _session(sched, h.session_id)
+        s.pin_hinted_s = book.clock()
         g = book.set_pin(s, h.ttl_s)
         msg = "pin applies when the running turn ends" if g.deferred else ""
         if g.clamped:

@@ -56,6 +56,7 @@ class VSession:
     priority_class: int | None = None
     expected_output_tokens: int | None = None
     released: bool = False
+    pin_hinted_s: float | None = None  # when the orchestrator last sent this session a Pin (grace_hold)
     context: array[int] = field(default_factory=lambda: array("q"))  # tokens the last turn computed
 
     @property

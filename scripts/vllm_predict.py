@@ -1,0 +1,127 @@
+"""Does the replay predict the real vLLM node? Calibrate on stock vLLM, then predict every other mode.
+
+    python scripts/vllm_predict.py REAL.json [--json OUT]
+
+REAL.json is a ``hintflow replay --backend vllm --json`` report with a ``vanilla`` row (same trace, same
+pool, one sitting). Step 1 fits the replay's cost model to this machine: the ``cpu-vllm-tiny`` profile
+with its re-prefill and decode-step costs chosen on a grid so that the replayed ``vllm-default`` matches
+the measured ``vanilla`` (mean and p90 JCT, TTFT p50), as ``cpu-vllm-tiny`` itself was calibrated on
+another machine (a VM three times faster makes a different operating point, not only a faster one).
+Step 2 replays, with that cost model, one node configured as each real mode's node (``MIRRORS``) and
+prints each mode's ratio to stock vLLM, measured against predicted, and whether the ranking agrees.
+
+What the mirrors leave out (the replay has no such mechanism): the vLLM node's admission guard for new
+programs, and the client-side gap before a pushed hint reaches the node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from replay import ReplaySetup, get_replay_config, report_json, run_replay
+from replay._policies import parse_variant
+
+NODE = "pin_budget=0.7,scheduler.program_fcfs_aging_s=3,yield_pins=true,cold_prefill_cap=false,migrate=false"
+"""Every hintflow vLLM node: pin budget 0.7, program FCFS with 3 s of head start at most, pins yielding to
+older programs' turns, no cold-prefill cap (vLLM has none), one node."""
+MIRRORS = {
+    "vanilla": "vllm-default",
+    "hintflow-infer": f"node.hintflow-infer=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru",
+    "hintflow-infer-pid": f"node.hintflow-infer-pid=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru",
+    "hintflow-orchestrator": f"node.hintflow-orchestrator=hintflow:{NODE}",
+    "continuum": f"node.continuum=continuum:{NODE}",
+    "kvflow": f"node.kvflow=kvflow:{NODE.replace('aging_s=3', 'aging_s=0')}",  # KVFlow's mode: request FCFS
+    "thunderagent": f"node.thunderagent=thunderagent:{NODE},thunderagent_controller=false",  # live: no controller
+}
+"""Each real mode as the replay's configuration of one embedded node that runs the same rules."""
+KEYS = ("jct_mean_s", "jct_p90_s", "ttft_p50_s")
+PREFILL_S_PER_TOKEN = [5e-5 * 1.25**i for i in range(12)]  # 5e-5 .. 5.8e-4
+DECODE_STEP_S = [0.006, 0.009, 0.013, 0.018]
+
+
+def _setup(real: dict[str, Any], cost_model: str) -> ReplaySetup:
+    cfg = real["config"]
+    return ReplaySetup(workload=cfg["workload"], num_programs=cfg.get("num_programs"), rate=cfg.get("rate"),
+                       scale=cfg.get("scale"), seed=cfg.get("seed", 0), num_nodes=1, cost_model=cost_model,
+                       kv_capacity_tokens=cfg["kv_capacity_tokens"],
+                       host_capacity_tokens=cfg.get("host_capacity_tokens") or 0)  # fmt: skip
+
+
+def _profile(prefill_b: float, decode_base: float, out: Path) -> str:
+    base = json.loads((Path(__file__).parents[1] / "engine_adapter/profiles/cpu-vllm-tiny.json").read_text())
+    base.update(name="fitted", prefill_b_s_per_token=prefill_b, decode_base_s=decode_base,
+                source=f"scripts/vllm_predict.py: fitted to a stock vLLM run (b={prefill_b:.3g}, decode {decode_base})")
+    out.write_text(json.dumps(base))
+    return str(out)
+
+
+def _replay(setup: ReplaySetup, specs: list[str]) -> dict[str, dict[str, float]]:
+    configs: list[Any] = []
+    for spec in specs:
+        configs.append(parse_variant(spec, configs) if "=" in spec else get_replay_config(spec))
+    resolved, results = run_replay(setup, configs, jobs=2)
+    return report_json(resolved, results)["policies"]  # type: ignore[no-any-return]
+
+
+def calibrate(real: dict[str, Any], tmp: Path) -> tuple[str, dict[str, float], float]:
+    """The grid point whose replayed vllm-default is nearest the measured vanilla (log error)."""
+    target = real["policies"]["vanilla"]
+    best: tuple[float, str, dict[str, float]] | None = None
+    for i, (b, d) in enumerate(itertools.product(PREFILL_S_PER_TOKEN, DECODE_STEP_S)):
+        path = _profile(b, d, tmp / f"p{i}.json")
+        got = _replay(_setup(real, path), ["vllm-default"])["vllm-default"]
+        err = sum(math.log(got[k] / target[k]) ** 2 for k in KEYS)
+        if best is None or err < best[0]:
+            best = (err, path, got)
+    assert best is not None
+    return best[1], best[2], math.sqrt(best[0] / len(KEYS))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("real", type=Path)
+    ap.add_argument("--json", dest="json_out", type=Path)
+    a = ap.parse_args()
+    real = json.loads(a.real.read_text())
+    modes = [m for m in real["policies"] if m.removesuffix("+host") in MIRRORS]
+    if "vanilla" not in modes:
+        raise SystemExit(f"{a.real}: no vanilla row to calibrate on")
+    with tempfile.TemporaryDirectory() as tmp:
+        path, fit, rms = calibrate(real, Path(tmp))
+        profile = json.loads(Path(path).read_text())
+        specs = [MIRRORS[m.removesuffix("+host")] for m in modes]
+        got = _replay(_setup(real, path), specs)
+    names = [s.partition("=")[0] if "=" in s else s for s in specs]
+    pred = {m: got[n] for m, n in zip(modes, names, strict=True)}
+    meas = real["policies"]
+    print(f"fitted: prefill {profile['prefill_b_s_per_token']:.3g} s/token, decode step {profile['decode_base_s']} s "
+          f"(replayed vllm-default {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s JCT mean / p90, TTFT p50 "
+          f"{fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
+    print("| mode | measured mean / p90 JCT | × vanilla | predicted × vllm-default | error (mean, p90) | "
+          "hits measured / predicted |\n|---|---|---|---|---|---|")
+    rows = {}
+    for m in modes:
+        r_meas = [meas[m][k] / meas["vanilla"][k] for k in ("jct_mean_s", "jct_p90_s")]
+        r_pred = [pred[m][k] / pred["vanilla"][k] for k in ("jct_mean_s", "jct_p90_s")]
+        err = [p / r - 1 for p, r in zip(r_pred, r_meas, strict=True)]
+        rows[m] = {"measured": r_meas, "predicted": r_pred, "error": err}
+        print(f"| {m} | {meas[m]['jct_mean_s']:.1f} / {meas[m]['jct_p90_s']:.1f} s | {r_meas[0]:.2f}, {r_meas[1]:.2f} | "
+              f"{r_pred[0]:.2f}, {r_pred[1]:.2f} | {err[0]:+.0%}, {err[1]:+.0%} | "
+              f"{meas[m]['across_turn_hit_rate']:.0%} / {pred[m]['across_turn_hit_rate']:.0%} |")
+    order_meas = sorted(modes, key=lambda m: meas[m]["jct_mean_s"])
+    order_pred = sorted(modes, key=lambda m: pred[m]["jct_mean_s"])
+    print(f"ranking by mean JCT, measured: {', '.join(order_meas)}\n"
+          f"ranking by mean JCT, predicted: {', '.join(order_pred)} ({'same' if order_meas == order_pred else 'differs'})")
+    if a.json_out:
+        a.json_out.write_text(json.dumps({"profile": profile, "rows": rows, "ranking_measured": order_meas,
+                                          "ranking_predicted": order_pred}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
