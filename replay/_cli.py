@@ -83,7 +83,10 @@ def writable_parent(ctx: click.Context, param: click.Parameter, value: str | Non
               help="device KV per node [a third of the live programs' contexts per node]")
 @click.option("--host-capacity-tokens", type=click.IntRange(min=0), default=None,
               help="host KV memory per node, for the policies that use one; with --backend vllm, the "
-                   "host tier of the MODE+host policies [all live contexts; vllm: every program's longest]")
+                   "host tier of the MODE+host policies [--host-memory; vllm: every program's longest]")
+@click.option("--host-memory", type=click.Choice(["short", "all"]), default="short", show_default=True,
+              help="without --host-capacity-tokens: host memory of half the device pool (short), or for every "
+                   "live context (all: every keep-context design keeps every context)")
 @click.option("--cost-model", default=None,
               help="bundled profile name (cpu-tiny, h200-llama3-8b, h100-llama3-8b, a100-llama3-8b) or a JSON file "
                    "[h100-llama3-8b; cpu-tiny with --executor torch]")
@@ -116,7 +119,8 @@ def writable_parent(ctx: click.Context, param: click.Parameter, value: str | Non
 def replay_command(ctx: click.Context, backend: str, workload: str, policies: str, variants: tuple[str, ...],
                    num_nodes: int, executor: str,
                    rate: float | None, num_programs: int | None, kv_capacity_tokens: int | None,
-                   host_capacity_tokens: int | None, cost_model: str | None, block_size: int | None, seed: int,
+                   host_capacity_tokens: int | None, host_memory: str, cost_model: str | None,
+                   block_size: int | None, seed: int,
                    ttft_deadline_s: float | None, link_gb_per_s: float | None, scale: float | None,
                    json_out: str | None,
                    plots_dir: str | None, progress: bool, jobs: int | None, vllm_python: str | None,
@@ -156,7 +160,7 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
         click.echo(f"note: --variant {', '.join(unused)} not in --policy, so not replayed", err=True)
     setup = ReplaySetup(workload=workload, num_programs=num_programs, rate=rate, num_nodes=num_nodes,
                         kv_capacity_tokens=kv_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
-                        cost_model=cost_model, seed=seed, scale=scale, block_size=block_size, executor=executor,
+                        host_memory=host_memory, cost_model=cost_model, seed=seed, scale=scale, block_size=block_size, executor=executor,
                         ttft_deadline_s=ttft_deadline_s, link_gb_per_s=link_gb_per_s)
     t0 = time.perf_counter()
     try:

@@ -3,8 +3,10 @@
 Memory pressure is the point of the comparison, so sizes default from the workload itself: the live
 programs' contexts are estimated by Little's law (each program's context, averaged over its turns, held for
 its unloaded lifetime: tool pauses plus its turns' prefill and decode on an idle node), and each node gets
-device KV for ``device_fraction`` (a third) of its share of them and host memory for all of them.  Queueing
-only lengthens lifetimes, so under load the device holds less than that third, never more.
+device KV for ``device_fraction`` (a third) of its share of them, but at least 1.25 times the longest
+request (which must fit), and host memory of half that device pool (``host_memory="short"``: memory is
+short on both tiers) or for every context (``"all"``).  Queueing only lengthens lifetimes, so under load
+the device holds less than that third, never more.
 
 Two executors compute the nodes' steps (``NodeSpec.executor``):
 
@@ -56,6 +58,10 @@ TORCH_WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
 """Per generator, with ``--executor torch``: these override ``WORKLOAD_DEFAULTS`` (the arrival rate stays)."""
 
 EXECUTORS = ("modeled", "torch")
+HOST_MEMORY = ("short", "all")
+"""Host memory per node when not given in tokens: half the device pool (the default: memory is short on
+both tiers, where hints have to earn their keep), or every context (where every keep-context design keeps
+every context and they tie)."""
 
 EXECUTOR_DEFAULTS: dict[str, dict[str, str | int]] = {
     "modeled": {"cost_model": "h100-llama3-8b", "block_size": 128},
@@ -76,6 +82,7 @@ class ReplaySetup:
     num_nodes: int = 2
     kv_capacity_tokens: int | None = None  # device KV per node
     host_capacity_tokens: int | None = None  # host memory per node (for the configs that use it)
+    host_memory: str = "short"  # without host_capacity_tokens: "short" (half the device pool) or "all"
     cost_model: str | None = None  # None: EXECUTOR_DEFAULTS (h100-llama3-8b modeled, cpu-tiny torch)
     seed: int = 0
     scale: float | None = None  # None: the workload's default (1.0 unless WORKLOAD_DEFAULTS says)
@@ -88,6 +95,8 @@ class ReplaySetup:
     link_gb_per_s: float | None = None  # between nodes, for migrations (GB/s); None: the host copy rate
 
     def __post_init__(self) -> None:
+        if self.host_memory not in HOST_MEMORY:
+            raise ValueError(f"host_memory must be one of {', '.join(HOST_MEMORY)}, got {self.host_memory!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         if self.torch_threads < 1:
@@ -157,7 +166,9 @@ class ReplaySetup:
         if kv is None:
             kv = max(int(per_node * self.device_fraction), int(1.25 * longest))
         host = self.host_capacity_tokens
-        if host is None:  # all of them: Little's estimate ignores queueing, so take the generous peak
+        if host is None and self.host_memory == "short":
+            host = kv // 2
+        elif host is None:  # all of them: Little's estimate ignores queueing, so take the generous peak
             host = max(_peak_held_tokens(programs, cost_model) // self.num_nodes, int(1.25 * longest))
         return replace(self, kv_capacity_tokens=kv, host_capacity_tokens=host)
 

@@ -43,7 +43,7 @@ VLLM_WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
 """Per generator, with ``--backend vllm``: programs, arrival rate and token scale when not given (files:
 all programs, the trace's arrivals, scale 1)."""
 
-MODELED_ONLY = {"cost_model": "--cost-model",
+MODELED_ONLY = {"cost_model": "--cost-model", "host_memory": "--host-memory",
                 "block_size": "--block-size", "ttft_deadline_s": "--ttft-deadline", "plots_dir": "--plots",
                 "variants": "--variant"}
 VLLM_ONLY = {"vllm_python": "--vllm-python", "vllm_model": "--model", "state_dir": "--state-dir"}

@@ -11,7 +11,9 @@ Step 2 replays, with that cost model, one node configured as each real mode's no
 prints each mode's ratio to stock vLLM, measured against predicted, and whether the ranking agrees.
 
 What the mirrors leave out (the replay has no such mechanism): the vLLM node's admission guard for new
-programs, and the client-side gap before a pushed hint reaches the node.
+programs; the node's engine-side inference (``hintflow-infer``) is mirrored by the orchestrator's
+``hintflow`` policy with memory share, which prices pins alike but measures T differently; and the gap
+before a pushed hint reaches the node, which the node's turn-end grace (``HINTFLOW_PIN_GRACE_S``) closes.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def _programs(n: int = 24) -> list[Program]:
 
 
 def _setup() -> ReplaySetup:
-    return ReplaySetup(block_size=16, num_nodes=2)
+    return ReplaySetup(block_size=16, num_nodes=2, host_memory="all")  # every context fits on the host
 
 
 def _check_nodes_empty(result: SimResult) -> None:

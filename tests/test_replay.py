@@ -345,3 +345,18 @@ def test_bound_note_names_the_online_rows_that_beat_the_bound() -> None:
     report["policies"]["hintflow"]["jct_p90_s"] = 19.0
     note = bound_note(report)
     assert "hintflow (p90 19.00 s < 20.00 s)" in note and "oracle" not in note and "mean" not in note
+
+
+def test_host_memory_is_short_by_default_and_all_on_request() -> None:
+    programs = _tiny(6)
+    short = _setup().resolve(programs, _setup().cost())
+    assert short.kv_capacity_tokens is not None and short.host_capacity_tokens == short.kv_capacity_tokens // 2
+    every = _setup(host_memory="all").resolve(programs, _setup().cost())
+    assert every.kv_capacity_tokens == short.kv_capacity_tokens
+    assert every.host_capacity_tokens is not None and every.host_capacity_tokens > short.host_capacity_tokens
+    given = _setup(host_capacity_tokens=123, host_memory="all").resolve(programs, _setup().cost())
+    assert given.host_capacity_tokens == 123  # tokens given win
+    with pytest.raises(ValueError, match="host_memory must be one of short, all"):
+        _setup(host_memory="lots")
+    res = CliRunner().invoke(replay_command, ["--host-memory", "lots", "--no-progress"])
+    assert res.exit_code == 2 and "'lots' is not one of 'short', 'all'" in res.output
