@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -184,8 +185,42 @@ class HostTierTTL(ContinuumTTL):
     --seed 1`` the loop reached 5.1 M pinned token-seconds and 94.4 s mean JCT, against 50.1 s with T
     left out (swe-agent seeds 0-3, where pins never paid anyway: unchanged). The orchestrator's hintflow
     policy and the vLLM node's engine-side inference both use it where the node has a host tier.
+
+    A host tier too small for the contexts it is given does not bring them back: they are overwritten
+    before their turn returns.  With ``host_hit_fraction()`` (the share of an evicted context's tokens that
+    did come back from the host, as the node measures it) and ``miss_reload`` (the re-prefill), a lost
+    context is priced as what happens to it: ``h * reload + (1 - h) * (T * eta + miss_reload)``, so a host
+    that keeps nothing prices pins as no host would.  Without them, ``h = 1``: every context comes back.
     """
+
+    def __init__(
+        self,
+        pause_model: PauseModel,
+        prefill_reload: Callable[[int], float],
+        *,
+        miss_reload: Callable[[int], float] | None = None,
+        host_hit_fraction: Callable[[], float] | None = None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(pause_model, prefill_reload, **kw)
+        self.miss_reload = miss_reload
+        self.host_hit_fraction = host_hit_fraction
 
     @property
     def queue_delay_s(self) -> float:
         return 0.0
+
+    def miss_queue_delay_s(self) -> float:
+        """T for the part that recomputes: Continuum's measured mean (subclasses may floor it)."""
+        return ContinuumTTL.queue_delay_s.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    def benefit_s(self, context_tokens: int) -> float:
+        h = 1.0
+        if self.miss_reload is not None and self.host_hit_fraction is not None:
+            h = min(1.0, max(0.0, float(self.host_hit_fraction())))
+            if not math.isfinite(h):
+                h = 1.0
+        b = h * float(self.prefill_reload(context_tokens))
+        if h < 1.0 and self.miss_reload is not None:
+            b += (1.0 - h) * (self.miss_queue_delay_s() * self.eta + float(self.miss_reload(context_tokens)))
+        return b * self.memory_scale(context_tokens)

@@ -233,3 +233,23 @@ def test_with_a_host_tier_pins_are_priced_by_the_copy_back_alone() -> None:
     inf2 = HintInference(book2, **kw)
     _turn(book2, inf2, "a", "r1", {"program_id": "a", "tool": "edit"})
     assert book2.num_pinned_blocks == 4
+
+
+def test_a_host_tier_that_gives_nothing_back_prices_pins_as_no_host_tier_would() -> None:
+    """The short host tier of a real run: contexts were overwritten on the host before their turns came
+    back (0.3% external hits). Once returning turns show that, a lost context is priced as a re-prefill
+    queued behind the backlog, and the turn that did not pin before pins now."""
+    book = SessionBook(Pool(), 100, pin_budget_fraction=0.5, clock=Clock())
+    inf = HintInference(book, host_reload_s_per_token=2e-6, reload_s_per_token=1e-4,
+                        backlog_tokens=lambda: 50_000)  # fmt: skip
+    assert inf.host_hit_fraction() == 1.0  # a host tier works until seen not to
+    inf.observe_host_reload(2000, 500, 1500)  # everything not on the device came from the host
+    assert inf.host_hit_fraction() == 1.0
+    _turn(book, inf, "a", "r1", {"program_id": "a", "tool": "edit"})
+    assert book.num_pinned_blocks == 0
+    for _ in range(20):
+        inf.observe_host_reload(2000, 0, 0)  # nothing came back
+    assert inf.host_hit_fraction() < 0.1
+    inf.observe_host_reload(2000, 2000, 0)  # all on the device: says nothing about the host
+    _turn(book, inf, "b", "r2", {"program_id": "b", "tool": "edit"})
+    assert book.num_pinned_blocks == 4 and inf.inferred_pins == 1

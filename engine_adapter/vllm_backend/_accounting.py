@@ -109,14 +109,15 @@ class RequestAccounting:
 
     def on_scheduled(
         self, request: Any, hit_tokens: int, session: VSession | None, host_hit_tokens: int = 0
-    ) -> None:
+    ) -> int | None:
         """vLLM scheduled ``request`` as a new one, with ``hit_tokens`` found cached (``host_hit_tokens``
-        of them loaded from the host tier).
+        of them loaded from the host tier); returns the tokens of its prompt the session's last turn had
+        (its history), or None when it was counted before.
 
         Only the first time counts: vLLM's V2 model runner lists resumed (preempted) requests as new too.
         """
         if request.request_id in self._scheduled:
-            return
+            return None
         self._scheduled.add(request.request_id)
         prompt = request.num_prompt_tokens
         host_hit_tokens = min(max(0, host_hit_tokens), hit_tokens)
@@ -133,6 +134,7 @@ class RequestAccounting:
         self.recomputed_tokens += history - across_hit
         self.queue_wait.observe(max(0.0, self.wall_clock() - request.arrival_time))
         self._first_token[request.request_id] = request
+        return history
 
     def snapshot(self) -> RequestAccounting:
         """The counters and histograms as they are now (a scrape takes it under the scheduler's lock)."""

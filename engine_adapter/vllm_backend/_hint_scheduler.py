@@ -315,7 +315,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 req = self.requests.get(new.req_id)
                 if req is not None:  # hits: the prefix lookup, before this step's tokens are added
                     host = self.host_tier.step_loaded_tokens.get(new.req_id, 0) if self.host_tier else 0
-                    self.accounting.on_scheduled(req, new.num_computed_tokens, s, host)
+                    history = self.accounting.on_scheduled(req, new.num_computed_tokens, s, host)
+                    if history and self.infer is not None and self.host_tier is not None:
+                        self.infer.observe_host_reload(history, new.num_computed_tokens - host, host)
                 if s is None:
                     continue
                 if req is not None and req.num_preemptions:  # resumed (the V2 model runner lists it as new)
@@ -352,6 +354,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 f" inferred_pins={inf.inferred_pins} inferred_releases={inf.inferred_releases}"
                 f" T={inf.rule.queue_delay_s:.2f}s eta={inf.rule.eta:.2f} reload={inf.s_per_token * 1e6:.0f}us/tok"
             )
+            if self.host_tier is not None:
+                extra += f" host_hit={inf.host_hit_fraction():.2f}"
         a = self.admit_stats
         log.info(
             "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d%s"

@@ -15,7 +15,9 @@ enough to act as Continuum does, with no other process:
   queueing delay of turns whose context was not kept (Continuum's T). Continuum's T starts at 0, so no
   pin pays until evicted turns have queued; here T is at least the engine's current prefill backlog
   times the measured seconds per token (the wait a turn arriving now would see), so pins start as soon
-  as a queue forms (:class:`_BacklogTTL`);
+  as a queue forms (:class:`_BacklogTTL`). With a host tier a lost context is priced by what the tier
+  actually gives back (:class:`_BacklogHostTTL`): the copy for the share of evicted contexts' tokens
+  returning turns found on the host, the re-prefill and T for the rest;
 - **program FCFS**: a program's requests are dated by when the engine first saw the program;
 - **release** (of the whole program): at the end of a turn flagged ``is_last_turn``, or once every session
   of the program has stayed silent for :data:`SILENT_FACTOR` times its own lease (at least
@@ -45,6 +47,22 @@ SILENT_FACTOR = 4.0
 SILENT_MIN_S = 30.0
 """...but never sooner than this: a short lease says little about how long a tool may take."""
 UNKNOWN_TOOL = "unknown"
+
+
+HOST_DECAY = 0.98
+"""Weight of the past in ``host_hit_fraction`` per returning turn whose context had left the device."""
+
+
+class _BacklogHostTTL(HostTierTTL):
+    """``HostTierTTL`` whose recomputed part waits at least behind the engine's prefill backlog (as
+    ``_BacklogTTL``'s T): the host tier gives back what it kept, the rest queues like any re-prefill."""
+
+    def __init__(self, *args: Any, floor_s: Callable[[], float] = lambda: 0.0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.floor_s = floor_s
+
+    def miss_queue_delay_s(self) -> float:
+        return max(super().miss_queue_delay_s(), self.floor_s())
 
 
 class _BacklogTTL(ContinuumTTL):
@@ -126,9 +144,15 @@ class HintInference:
         self.pauses = PauseModel(min_samples=min_samples, default_mean_s=default_pause_s)
         self.backlog_tokens = backlog_tokens
         self.rule: ContinuumTTL
+        # What came back of evicted contexts from the host tier, token-weighted with decay (observe_host_reload)
+        self._host_got = 0.0
+        self._host_needed = 0.0
         if host_reload_s_per_token is not None:
             host_s = host_reload_s_per_token
-            self.rule = HostTierTTL(self.pauses, lambda tokens: host_s * tokens, pool_tokens=pool_tokens)
+            self.rule = _BacklogHostTTL(
+                self.pauses, lambda tokens: host_s * tokens, miss_reload=self.prefill_reload_s,
+                host_hit_fraction=self.host_hit_fraction, pool_tokens=pool_tokens, floor_s=self.backlog_s,
+            )  # fmt: skip
         else:
             self.rule = _BacklogTTL(self.pauses, self.prefill_reload_s, floor_s=self.backlog_s, pool_tokens=pool_tokens)
         self.programs: dict[str, _Program] = {}
@@ -148,6 +172,20 @@ class HintInference:
     def backlog_s(self) -> float:
         """Seconds of prefill already queued in the engine (T's floor; 0 without a backlog callback)."""
         return self.s_per_token * self.backlog_tokens() if self.backlog_tokens is not None else 0.0
+
+    def observe_host_reload(self, history_tokens: int, device_hit_tokens: int, host_hit_tokens: int) -> None:
+        """A returning turn was admitted: of its ``history_tokens`` (what its session's last turn had), the
+        part not found on the device was or was not loaded from the host tier. Feeds ``host_hit_fraction``."""
+        missing = history_tokens - min(max(device_hit_tokens, 0), history_tokens)
+        if missing <= 0:
+            return
+        self._host_got = HOST_DECAY * self._host_got + min(max(host_hit_tokens, 0), missing)
+        self._host_needed = HOST_DECAY * self._host_needed + missing
+
+    def host_hit_fraction(self) -> float:
+        """The share of evicted contexts' tokens the host tier gave back lately (1 before any was seen:
+        a host tier is assumed to work until it is seen not to)."""
+        return self._host_got / self._host_needed if self._host_needed > 0 else 1.0
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A model step of ``tokens`` took ``seconds``: prefill-sized steps refine the reload cost (EWMA)."""
