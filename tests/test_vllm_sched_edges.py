@@ -315,35 +315,9 @@ def _grace(model: str) -> dict[str, Any]:
     return out
 
 
-def _auto_deadline(model: str) -> dict[str, Any]:
-    """HINTFLOW_TTFT_DEADLINE_S=auto: each request's deadline is the prefill queue it found (at the fixed
-    0.01 s per token here), at least the 3 s aging; once past it the request goes first."""
-    sched, request = _sched(model, infer=True)
-    sched.ttft_deadline_auto = True
-    engine = _Engine(sched, 1)
-    first, second = request(_prompt(5, 600), "q1"), request(_prompt(6, 300), "q2")
-    sched.add_request(first)  # an empty queue: the floor (3 s)
-    sched.add_request(second)  # behind 600 prompt tokens: 6 s
-    due = {r.request_id: round(sched._ttft_due[r.request_id] - r.arrival_time, 3) for r in (first, second)}
-    head_before = sched.waiting.peek_request().request_id == first.request_id
-    # 6.5 s later for the second only: past its own deadline, while the first's (3 s) has not come
-    second.arrival_time -= 6.5
-    sched._ttft_due[second.request_id] -= 6.5
-    sched._promote_overdue()
-    out: dict[str, Any] = {
-        "due": [due[first.request_id], due[second.request_id]], "head_before": head_before,
-        "head_after": sched.waiting.peek_request().request_id == second.request_id,
-        "overdue": sched.num_overdue, "first_overdue": first.request_id in sched._overdue,
-    }  # fmt: skip
-    engine.run()
-    out["due_left"] = len(sched._ttft_due)  # every finished request forgets its deadline
-    sched.book.check_invariants()
-    return out
-
-
 def _report(model: str) -> dict[str, Any]:
     return {
-        "grace": _grace(model), "auto_deadline": _auto_deadline(model),
+        "grace": _grace(model),
         "preempt": _preemption(model, last_turn=False), "preempt_last": _preemption(model, last_turn=True),
         "abort": _abort_queued_turn(model), "deferred": _deferred_free(model), "reset": _reset_prefix_cache(model),
         "huge_age": _huge_age(model), "bad_ids": _bad_ids(model), "host_tier": _host_tier(model),
@@ -377,14 +351,6 @@ def test_an_orchestrated_session_is_held_at_its_turn_end_until_the_decision(repo
     assert r["held_a"] == 4 and r["grace_holds"] == 1 and 0.0 < r["lease_s"] <= 0.5  # HINTFLOW_PIN_GRACE_S
     assert r["held_b"] == 0  # never pinned by an orchestrator: freed as vLLM frees it
     assert r["held_a_after"] == 0
-
-
-def test_an_auto_ttft_deadline_is_the_queue_the_request_found(report: dict[str, Any]) -> None:
-    r = report["auto_deadline"]
-    assert r["due"] == [3.0, 6.0]  # the 3 s floor on an empty queue; 600 tokens x 0.01 s behind the first
-    assert r["head_before"] and r["head_after"]  # past its deadline, the younger-program turn goes first
-    assert r["overdue"] == 1 and not r["first_overdue"]
-    assert r["due_left"] == 0
 
 
 @pytest.mark.parametrize("case", ["preempt", "preempt_last"])

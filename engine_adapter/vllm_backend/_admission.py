@@ -24,7 +24,7 @@ from engine_adapter._pin_order import yield_order
 
 from ._sessions import VSession, session_start
 
-__all__ = ["ADMIT_HORIZON_S", "CLASS_SCALE", "PRIORITY_SCALE", "QueueRules", "auto_ttft_deadline_s"]
+__all__ = ["ADMIT_HORIZON_S", "CLASS_SCALE", "PRIORITY_SCALE", "QueueRules"]
 
 PRIORITY_SCALE = 10**12
 """Milliseconds of program age fit below this (31 years): a request's vLLM priority is
@@ -34,20 +34,6 @@ CLASS_SCALE = 2 * PRIORITY_SCALE
 ADMIT_HORIZON_S = 5.0
 """A parked program whose context is not pinned still counts as in flight for this long after its turn
 (its tool is probably still running; it will need its context back)."""
-
-
-def auto_ttft_deadline_s(backlog_s: float, floor_s: float) -> float:
-    """``HINTFLOW_TTFT_DEADLINE_S=auto``: a request may wait as long as the prefill queue it found takes to
-    drain (every waiting and running prompt token, cached or not, at the measured seconds per token), and
-    never less than ``floor_s`` (the program-order head start).
-
-    Why: that is about what first-come-first-served would make it wait, so program order and pinned turns
-    may go ahead of a young program's first turn, but not for longer than stock vLLM would have kept it
-    waiting; it scales with the load, where a fixed deadline is either never reached or reached by all.
-    """
-    if not math.isfinite(backlog_s) or backlog_s < 0.0:
-        return floor_s
-    return max(floor_s if math.isfinite(floor_s) else 0.0, backlog_s)
 
 
 class QueueRules:
@@ -64,9 +50,6 @@ class QueueRules:
     kv_cache_manager: Any
     policy: Any
     ttft_deadline_s: float
-    ttft_deadline_auto: bool
-    _ttft_due: dict[str, float]
-    num_overdue: int
     admit_fraction: float
     admit_max_wait_s: float
     admit_horizon_s: float
@@ -78,32 +61,28 @@ class QueueRules:
     _wall_epoch_s: float
 
     def _promote_overdue(self) -> None:
-        """Requests that have waited ``HINTFLOW_TTFT_DEADLINE_S`` (``auto``: their own deadline from
-        ``auto_ttft_deadline_s``, set on arrival) go ahead of every program, oldest first.
+        """Requests that have waited ``HINTFLOW_TTFT_DEADLINE_S`` go ahead of every program, oldest first.
 
         Why: program FCFS and pins move waiting onto the youngest programs' turns; the deadline bounds
         that tail (first token no later than the deadline plus service), while below it the program
         order and the kept contexts decide.
         """
         if (
-            not (self.ttft_deadline_auto or math.isfinite(self.ttft_deadline_s))
+            not math.isfinite(self.ttft_deadline_s)
             or getattr(self.policy, "name", "") != "PRIORITY"
             or not self.waiting
         ):
             return
         now = time.time()
-        due = self._ttft_due
         late = [
             r for r in self.waiting
-            if r.request_id not in self._overdue
-            and now >= due.get(r.request_id, r.arrival_time + self.ttft_deadline_s)
+            if r.request_id not in self._overdue and now - r.arrival_time >= self.ttft_deadline_s
         ]  # fmt: skip
         if not late:
             return
         self.waiting.remove_requests(late)
         for r in late:
             self._overdue.add(r.request_id)
-            self.num_overdue += 1
             ms = max(0, int((r.arrival_time - self._wall_epoch_s + 86400.0) * 1000))
             r.priority = -PRIORITY_SCALE + min(ms, PRIORITY_SCALE - 1)  # below every class: first
             self.waiting.add_request(r)

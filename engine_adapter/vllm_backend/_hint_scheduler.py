@@ -62,7 +62,7 @@ from pydantic import TypeAdapter, ValidationError
 from hints import OptionalProgramId, SessionId
 
 from ._accounting import RequestAccounting
-from ._admission import ADMIT_HORIZON_S, CLASS_SCALE, PRIORITY_SCALE, QueueRules, auto_ttft_deadline_s
+from ._admission import ADMIT_HORIZON_S, CLASS_SCALE, PRIORITY_SCALE, QueueRules
 from ._async_mode import StepsInFlight, log_async_mode
 from ._compat import check_vllm_internals
 from ._host_index import HOST_RELOAD_S_PER_TOKEN
@@ -178,15 +178,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.admit_max_wait_s = float(env_("HINTFLOW_ADMIT_MAX_WAIT_S", str(default_wait)))
         self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
         self.yield_pins = env_("HINTFLOW_YIELD_PINS", "1").strip().lower() not in {"0", "false", "no", "off"}
-        deadline = env_("HINTFLOW_TTFT_DEADLINE_S", "inf").strip().lower()
-        # "auto": each request's deadline is the prefill queue it found (see QueueRules._promote_overdue)
-        self.ttft_deadline_auto = deadline == "auto"
-        self.ttft_deadline_s = math.inf if self.ttft_deadline_auto else float(deadline)
-        self._ttft_due: dict[str, float] = {}  # request -> wall time its "auto" deadline passes
-        self.num_overdue = 0  # requests moved to the front by the deadline
-        if self.ttft_deadline_auto and self.infer is None:
-            log.warning("hintflow: HINTFLOW_TTFT_DEADLINE_S=auto needs the node's inference (its measured prefill "
-                        "rate); without it there is no deadline")
+        self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
         self.pinned_first = env_("HINTFLOW_PINNED_FIRST", "1").strip().lower() not in {"0", "false", "no", "off"}
         self.pin_grace_s = float(env_("HINTFLOW_PIN_GRACE_S", "0.5"))
         self.pin_grace_window_s = float(env_("HINTFLOW_INFER_DEFER_S", "60"))  # "recently pinned": as inference's
@@ -226,9 +218,6 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     self.infer.on_request(s, extra)
                 self._req_session[request.request_id] = s
                 self._client_priority[request.request_id] = request.priority
-                if self.ttft_deadline_auto and self.infer is not None:
-                    due_s = auto_ttft_deadline_s(self.infer.backlog_s(), self.aging_s)
-                    self._ttft_due[request.request_id] = request.arrival_time + due_s
                 request.priority = self._safe_priority(s, request.priority, request.request_id)
             super().add_request(request)
 
@@ -369,10 +358,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 extra += f" host_hit={inf.host_hit_fraction():.2f}"
         a = self.admit_stats
         log.info(
-            "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d"
-            " overdue=%d%s admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d",
+            "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d%s"
+            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d",
             self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
-            st.forced_unpins, st.yielded_pins, self.grace_holds, self.num_overdue, extra, len(self._started), a["held"], a["fit"],
+            st.forced_unpins, st.yielded_pins, self.grace_holds, extra, len(self._started), a["held"], a["fit"],
             a["idle"], a["aged"],
         )  # fmt: skip
 
@@ -403,7 +392,6 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         s = self._req_session.pop(request.request_id, None)
         self._client_priority.pop(request.request_id, None)
         self._req_start.pop(request.request_id, None)
-        self._ttft_due.pop(request.request_id, None)
         self._overdue.discard(request.request_id)
         self.accounting.on_finished(request, s)
         if s is None or not self.pins_supported:
