@@ -3,7 +3,8 @@
     python scripts/vllm_predict.py REAL.json [--json OUT]
 
 REAL.json is a ``hintflow replay --backend vllm --json`` report with a ``vanilla`` row (same trace, same
-pool, one sitting). Step 1 fits the replay's cost model to this machine: the ``cpu-vllm-tiny`` profile
+pool, one sitting); ``MODE+host`` rows are predicted on a node with the report's host tier and compared
+with ``vanilla+host`` (the stock scheduler with the same tier), which the report must have too. Step 1 fits the replay's cost model to this machine: the ``cpu-vllm-tiny`` profile
 with its re-prefill and decode-step costs chosen on a grid so that the replayed ``vllm-default`` matches
 the measured ``vanilla`` (mean and p90 JCT, TTFT p50), as ``cpu-vllm-tiny`` itself was calibrated on
 another machine (a VM three times faster makes a different operating point, not only a faster one).
@@ -39,6 +40,7 @@ MIRRORS = {
     "continuum": f"node.continuum=continuum:{NODE}",
     "kvflow": f"node.kvflow=kvflow:{NODE.replace('aging_s=3', 'aging_s=0')}",  # KVFlow's mode: request FCFS
     "thunderagent": f"node.thunderagent=thunderagent:{NODE},thunderagent_controller=false",  # live: no controller
+    "vanilla+host": "node.vanilla+host=vllm-default:host_tier=true",  # stock scheduler, hintflow's host tier
 }
 """Each real mode as the replay's configuration of one embedded node that runs the same rules."""
 KEYS = ("jct_mean_s", "jct_p90_s", "ttft_p50_s")
@@ -46,12 +48,27 @@ PREFILL_S_PER_TOKEN = [5e-5 * 1.25**i for i in range(12)]  # 5e-5 .. 5.8e-4
 DECODE_STEP_S = [0.006, 0.009, 0.013, 0.018]
 
 
-def _setup(real: dict[str, Any], cost_model: str) -> ReplaySetup:
+def _setup(real: dict[str, Any], cost_model: str, *, host: bool = False) -> ReplaySetup:
+    """One node as the real one; ``host``: with the real run's host tier (its ``MODE+host`` modes)."""
     cfg = real["config"]
     return ReplaySetup(workload=cfg["workload"], num_programs=cfg.get("num_programs"), rate=cfg.get("rate"),
                        scale=cfg.get("scale"), seed=cfg.get("seed", 0), num_nodes=1, cost_model=cost_model,
                        kv_capacity_tokens=cfg["kv_capacity_tokens"],
-                       host_capacity_tokens=cfg.get("host_capacity_tokens") or 0)  # fmt: skip
+                       host_capacity_tokens=(cfg.get("host_capacity_tokens") or 0) if host else 0)  # fmt: skip
+
+
+def _mirror(mode: str) -> str:
+    """The replay spec of a real mode; ``BASE+host`` is BASE's node with a host tier (named apart)."""
+    if mode in MIRRORS:
+        return MIRRORS[mode]
+    base = mode.removesuffix("+host")
+    spec = MIRRORS[base]
+    return spec.replace(f"node.{base}=", f"node.{mode}=", 1) if "=" in spec else f"node.{mode}={spec}:host_tier=true"
+
+
+def _reference(mode: str) -> str:
+    """The stock row a mode is compared with: the stock scheduler with the same memory."""
+    return "vanilla+host" if mode.endswith("+host") else "vanilla"
 
 
 def _profile(prefill_b: float, decode_base: float, out: Path) -> str:
@@ -93,30 +110,37 @@ def main() -> None:
     modes = [m for m in real["policies"] if m.removesuffix("+host") in MIRRORS]
     if "vanilla" not in modes:
         raise SystemExit(f"{a.real}: no vanilla row to calibrate on")
+    modes = [m for m in modes if _reference(m) in modes]  # a ratio needs its stock row from the same run
+    pred: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path, fit, rms = calibrate(real, Path(tmp))
         profile = json.loads(Path(path).read_text())
-        specs = [MIRRORS[m.removesuffix("+host")] for m in modes]
-        got = _replay(_setup(real, path), specs)
-    names = [s.partition("=")[0] if "=" in s else s for s in specs]
-    pred = {m: got[n] for m, n in zip(modes, names, strict=True)}
+        for host in (False, True):
+            group = [m for m in modes if m.endswith("+host") == host]
+            if not group:
+                continue
+            specs = [_mirror(m) for m in group]
+            got = _replay(_setup(real, path, host=host), specs)
+            names = [s.partition("=")[0] if "=" in s else s for s in specs]
+            pred.update({m: got[n] for m, n in zip(group, names, strict=True)})
     meas = real["policies"]
     print(f"fitted: prefill {profile['prefill_b_s_per_token']:.3g} s/token, decode step {profile['decode_base_s']} s "
           f"(replayed vllm-default {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s JCT mean / p90, TTFT p50 "
           f"{fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
-    print("| mode | measured mean / p90 JCT | × vanilla | predicted × vllm-default | error (mean, p90) | "
+    print("| mode | measured mean / p90 JCT | × stock | predicted × stock | error (mean, p90) | "
           "hits measured / predicted |\n|---|---|---|---|---|---|")
     rows = {}
     for m in modes:
-        r_meas = [meas[m][k] / meas["vanilla"][k] for k in ("jct_mean_s", "jct_p90_s")]
-        r_pred = [pred[m][k] / pred["vanilla"][k] for k in ("jct_mean_s", "jct_p90_s")]
+        ref = _reference(m)
+        r_meas = [meas[m][k] / meas[ref][k] for k in ("jct_mean_s", "jct_p90_s")]
+        r_pred = [pred[m][k] / pred[ref][k] for k in ("jct_mean_s", "jct_p90_s")]
         err = [p / r - 1 for p, r in zip(r_pred, r_meas, strict=True)]
         rows[m] = {"measured": r_meas, "predicted": r_pred, "error": err}
         print(f"| {m} | {meas[m]['jct_mean_s']:.1f} / {meas[m]['jct_p90_s']:.1f} s | {r_meas[0]:.2f}, {r_meas[1]:.2f} | "
               f"{r_pred[0]:.2f}, {r_pred[1]:.2f} | {err[0]:+.0%}, {err[1]:+.0%} | "
               f"{meas[m]['across_turn_hit_rate']:.0%} / {pred[m]['across_turn_hit_rate']:.0%} |")
-    order_meas = sorted(modes, key=lambda m: meas[m]["jct_mean_s"])
-    order_pred = sorted(modes, key=lambda m: pred[m]["jct_mean_s"])
+    order_meas = sorted(modes, key=lambda m: (m.endswith("+host"), meas[m]["jct_mean_s"]))
+    order_pred = sorted(modes, key=lambda m: (m.endswith("+host"), pred[m]["jct_mean_s"]))
     print(f"ranking by mean JCT, measured: {', '.join(order_meas)}\n"
           f"ranking by mean JCT, predicted: {', '.join(order_pred)} ({'same' if order_meas == order_pred else 'differs'})")
     if a.json_out:
