@@ -122,3 +122,33 @@ def test_cli_host_capacity_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Any
     assert seen["host_capacity_tokens"] == 8192
     res = CliRunner().invoke(hintflow, ["engine", "serve", "--host-capacity-tokens", "8192"])
     assert res.exit_code == 2 and "--num-host-blocks" in res.output
+
+
+_SUPERVISOR = """
+import subprocess, sys
+from engine_adapter.vllm_backend._serve import supervise
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(child.pid, flush=True)
+sys.exit(supervise(child))
+"""
+
+
+def test_sigterm_to_the_node_stops_the_server_it_started() -> None:
+    """`hintflow engine serve --backend vllm` under SIGTERM (a service manager's stop) ends its vLLM child
+    as Ctrl-C does; before, the default action ended the node alone and left the server on its port."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from engine_adapter.vllm_backend import REPO
+
+    sup = subprocess.Popen([sys.executable, "-c", _SUPERVISOR], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert sup.stdout is not None
+    child = int(sup.stdout.readline())
+    time.sleep(0.3)  # the handler is installed right after the pid is printed
+    sup.send_signal(signal.SIGTERM)
+    assert sup.wait(timeout=30) == 143
+    with pytest.raises(ProcessLookupError):  # stopped and reaped, not orphaned
+        os.kill(child, 0)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +41,7 @@ __all__ = [
     "serve_vllm",
     "start_vllm",
     "stop_vllm",
+    "supervise",
     "wait_healthy",
 ]
 
@@ -215,9 +218,35 @@ def serve_vllm(model_dir: str | Path, **kw: object) -> int:
     argv, env = build_vllm_command(model_dir, **kw)  # type: ignore[arg-type]
     if kw.get("hintflow", True):
         check_vllm_python(argv[0], env)
-    proc = subprocess.Popen(argv, env=env)
+    return supervise(subprocess.Popen(argv, env=env))
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (raised by ``supervise``'s handler, so the ``finally`` paths run as on Ctrl-C)."""
+
+
+def supervise(proc: subprocess.Popen[bytes]) -> int:
+    """Wait for the server; on Ctrl-C or SIGTERM stop it first (terminate, then kill after 30 s).
+
+    Why SIGTERM too: its default action ends this process at once and leaves the vLLM server it started
+    running, still bound to the port (the next server there failed to bind, and a health check reached the
+    orphan). The exit status is the server's, else 130 (Ctrl-C) or 143 (SIGTERM), as a shell reports them.
+    """
+
+    def on_term(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+        previous = signal.signal(signal.SIGTERM, on_term)
     try:
         return proc.wait()
     except KeyboardInterrupt:
         stop_vllm(proc)
         return 130
+    except _Terminated:
+        stop_vllm(proc)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
