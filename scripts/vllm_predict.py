@@ -127,16 +127,18 @@ def main() -> None:
     print(f"fitted: prefill {profile['prefill_b_s_per_token']:.3g} s/token, decode step {profile['decode_base_s']} s "
           f"(replayed vllm-default {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s JCT mean / p90, TTFT p50 "
           f"{fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
-    print("| mode | measured mean / p90 JCT | × stock | predicted × stock | error (mean, p90) | "
-          "hits measured / predicted |\n|---|---|---|---|---|---|")
+    print("| mode | measured mean / p90 JCT | predicted | × stock | predicted × stock | error (mean, p90) | "
+          "hits measured / predicted |\n|---|---|---|---|---|---|---|")
     rows = {}
     for m in modes:
         ref = _reference(m)
         r_meas = [meas[m][k] / meas[ref][k] for k in ("jct_mean_s", "jct_p90_s")]
         r_pred = [pred[m][k] / pred[ref][k] for k in ("jct_mean_s", "jct_p90_s")]
         err = [p / r - 1 for p, r in zip(r_pred, r_meas, strict=True)]
-        rows[m] = {"measured": r_meas, "predicted": r_pred, "error": err}
-        print(f"| {m} | {meas[m]['jct_mean_s']:.1f} / {meas[m]['jct_p90_s']:.1f} s | {r_meas[0]:.2f}, {r_meas[1]:.2f} | "
+        rows[m] = {"measured": r_meas, "predicted": r_pred, "error": err,
+                   "predicted_jct_s": [pred[m]["jct_mean_s"], pred[m]["jct_p90_s"]]}
+        print(f"| {m} | {meas[m]['jct_mean_s']:.1f} / {meas[m]['jct_p90_s']:.1f} s | "
+              f"{pred[m]['jct_mean_s']:.1f} / {pred[m]['jct_p90_s']:.1f} s | {r_meas[0]:.2f}, {r_meas[1]:.2f} | "
               f"{r_pred[0]:.2f}, {r_pred[1]:.2f} | {err[0]:+.0%}, {err[1]:+.0%} | "
               f"{meas[m]['across_turn_hit_rate']:.0%} / {pred[m]['across_turn_hit_rate']:.0%} |")
     order_meas = sorted(modes, key=lambda m: (m.endswith("+host"), meas[m]["jct_mean_s"]))
