@@ -98,6 +98,15 @@ async def local_temporal(temporal: str | None, namespace: str = "default") -> As
         await env.shutdown()
 
 
+STICKY_QUEUE_TIMEOUT = timedelta(seconds=5)
+"""How long a workflow task waits on ``hintflow worker``'s sticky queue before any worker may take it.
+
+Why: a worker that died leaves its sticky queue behind, and for 10 s after its last poll the server still
+sends that queue the workflow tasks of its programs (a signal, a timer, an activity's result); each waits
+this long before it goes to the normal queue and a live worker.  The Python SDK's default is 10 s; 5 s is
+the Go SDK's, and what the server's own sticky-worker check assumes.  Shorter would make a merely busy
+worker's programs replay their whole history elsewhere."""
+
 _NO_COLD_CAP = 1 << 30  # a cold budget no step reaches: the scheduler clamps it to the step's budget
 
 
@@ -158,7 +167,9 @@ async def local_stack(
 
 
 def _stop_on_signal() -> asyncio.Event:
-    """An event set by SIGINT/SIGTERM; installed before announcing readiness, so no signal is missed."""
+    """An event set by SIGINT/SIGTERM, so both end the command the same way: cleanly, stopping what it
+    started.  Installed before anything is started: SIGTERM's default action would end the process at once
+    and leave a Temporal dev server it had started running, orphaned."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -198,13 +209,20 @@ async def run_worker(
     metrics_port: int | None,
     cost_model: str | None = None,
 ) -> None:
-    """Serve the example workflows until SIGINT/SIGTERM; shut the worker down cleanly, then everything else."""
+    """Serve the example workflows until SIGINT/SIGTERM; shut the worker down cleanly, then everything else.
+
+    A signal during start-up lets the start finish (a Temporal dev server cancelled half-started could be
+    left running), then stops everything without serving."""
     from temporalio.worker import Worker
 
     from workflows import HintflowPlugin
     from workflows.examples import EXAMPLES
 
+    stop = _stop_on_signal()
     async with local_stack(temporal, engines) as stack:
+        if stop.is_set():
+            print("hintflow worker: stopped", flush=True)
+            return
         runtime = make_runtime(stack.engines, policy, cost_model)
         if metrics_port is not None:
             from prometheus_client import start_http_server
@@ -212,8 +230,13 @@ async def run_worker(
             start_http_server(metrics_port, registry=runtime.registry)
         workflows = [e.workflow for e in EXAMPLES.values()]
         plugin = HintflowPlugin(runtime=runtime)
-        async with Worker(stack.client, task_queue=task_queue, workflows=workflows, plugins=[plugin]):
-            stop = _stop_on_signal()
+        async with Worker(
+            stack.client,
+            task_queue=task_queue,
+            workflows=workflows,
+            plugins=[plugin],
+            sticky_queue_schedule_to_start_timeout=STICKY_QUEUE_TIMEOUT,
+        ):
             print(
                 f"hintflow worker: task queue {task_queue!r}, policy {policy}, engines {', '.join(stack.engines)}"
                 + (f", metrics on :{metrics_port}" if metrics_port is not None else ""),

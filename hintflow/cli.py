@@ -603,7 +603,7 @@ def worker(
     metrics_port: int | None,
     cost_model: str | None,
 ) -> None:
-    """Run a Temporal worker with the hintflow plugin and the example workflows until Ctrl-C."""
+    """Run a Temporal worker with the hintflow plugin and the example workflows until Ctrl-C or SIGTERM."""
     import asyncio
     import logging
 

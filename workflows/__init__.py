@@ -19,6 +19,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from workflows._api import (
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    MIN_HEARTBEAT_TIMEOUT,
     LLMInput,
     LLMResult,
     PauseInput,
@@ -54,6 +56,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+    "MIN_HEARTBEAT_TIMEOUT",
     "EngineUnavailable",
     "HintPublisher",
     "HintRuntime",

@@ -28,8 +28,10 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 __all__ = [
+    "DEFAULT_HEARTBEAT_TIMEOUT",
     "DEFAULT_LLM_RETRY",
     "LLM_ACTIVITY",
+    "MIN_HEARTBEAT_TIMEOUT",
     "PAUSE_ENDED_ACTIVITY",
     "PAUSE_STARTED_ACTIVITY",
     "PROGRAM_END_ACTIVITY",
@@ -68,6 +70,21 @@ DEFAULT_LLM_RETRY = RetryPolicy(
     non_retryable_error_types=["InvalidPrompt"],
 )
 """No node reachable is retried (with backoff, until the schedule-to-close timeout); a bad prompt is not."""
+
+DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+"""The heartbeat timeout ``llm()`` and ``tool()`` give their activities.
+
+Why: a worker killed mid-activity reports nothing, so without a heartbeat timeout Temporal retries the
+attempt only when its start-to-close timeout runs out (5 minutes for ``llm``, 30 for ``tool``) and the
+program stalls that long.  With it, the attempt is retried about this long after the worker's last
+heartbeat.  The worker side heartbeats for the activity (``HintflowPlugin``'s activity interceptor does, for
+every activity with a heartbeat timeout), so activities need no code for it.  The SDK sends heartbeats at
+most every 0.8 of the timeout, so a timeout much under 10 s leaves a loaded worker little slack."""
+
+MIN_HEARTBEAT_TIMEOUT = timedelta(seconds=2)
+"""The shortest heartbeat timeout accepted.  The SDK spaces heartbeats 0.8 of the timeout apart, so what is
+left for a busy worker's event loop and the network is a fifth of it: 0.4 s here.  Shorter, and a healthy
+attempt on a loaded worker would time out, and every such timeout reruns the activity."""
 
 
 # ---- payloads (one dataclass per activity) -----------------------------------------------------------
@@ -177,6 +194,17 @@ def _is_finite(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _check_heartbeat(caller: str, value: Any) -> timedelta | None:
+    """``heartbeat_timeout`` is None (no heartbeat timeout) or a timedelta of at least
+    ``MIN_HEARTBEAT_TIMEOUT``; anything else fails the workflow at once, naming the value."""
+    if value is None or (isinstance(value, timedelta) and value >= MIN_HEARTBEAT_TIMEOUT):
+        return value
+    raise _bad_input(
+        f"{caller}: heartbeat_timeout must be None or a timedelta of at least "
+        f"{MIN_HEARTBEAT_TIMEOUT.total_seconds():g} s, got {value!r}"
+    )
+
+
 # ---- helpers -----------------------------------------------------------------------------------------
 async def llm(
     prompt: str | Sequence[int],
@@ -187,10 +215,12 @@ async def llm(
     start_to_close_timeout: timedelta = timedelta(minutes=5),
     schedule_to_close_timeout: timedelta = timedelta(minutes=30),
     retry_policy: RetryPolicy = DEFAULT_LLM_RETRY,
+    heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
 ) -> LLMResult:
     """One model call on the current session with the full prompt (the node reuses what it still holds).
 
-    A string prompt is sent as bytes; pass token ids to control the tokens exactly.
+    A string prompt is sent as bytes; pass token ids to control the tokens exactly.  ``heartbeat_timeout``
+    (``DEFAULT_HEARTBEAT_TIMEOUT``; None: none) is how soon a call whose worker died is retried elsewhere.
     """
     try:
         ids = encode_text(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -207,6 +237,7 @@ async def llm(
         )
     if prefix_tokens and not prefix_key:
         raise _bad_input(f"llm(): prefix_tokens={prefix_tokens} needs a prefix_key naming the shared prefix")
+    heartbeat = _check_heartbeat("llm()", heartbeat_timeout)
     inp = LLMInput(current_session(), ids, max_new_tokens, prefix_key, prefix_tokens)
     return await workflow.execute_activity(
         LLM_ACTIVITY,
@@ -215,6 +246,7 @@ async def llm(
         start_to_close_timeout=start_to_close_timeout,
         schedule_to_close_timeout=schedule_to_close_timeout,
         retry_policy=retry_policy,
+        heartbeat_timeout=heartbeat,
     )
 
 
@@ -227,6 +259,7 @@ async def tool(
     seed: int | None = None,
     vocab_size: int = 256,
     start_to_close_timeout: timedelta = timedelta(minutes=30),
+    heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
     **activity_options: Any,
 ) -> Any:
     """Run tool ``name`` on the current session.
@@ -234,16 +267,28 @@ async def tool(
     With ``activity``, that activity (yours) runs with ``args`` and is tagged as tool ``name``.  Without it,
     the built-in simulated tool sleeps ``duration_s`` and returns ``output_tokens`` pseudo-random tokens
     (deterministic from ``seed``), which is what the example agents use.
+
+    ``heartbeat_timeout`` (``DEFAULT_HEARTBEAT_TIMEOUT``; None: none) is how soon a tool whose worker died
+    is retried elsewhere; a worker with ``HintflowPlugin`` heartbeats for the activity.  Your activity sent
+    to another task queue (``task_queue=...``) gets no default: that queue's workers may lack the plugin,
+    and then nothing would heartbeat and every attempt would time out.  Pass a timedelta to set one there.
     """
     if not name:
         raise _bad_input("tool() needs a name")
+    heartbeat = _check_heartbeat(f"tool {name!r}", heartbeat_timeout)
     token = _tool.set(name)
     try:
         if activity is not None:
+            queue = activity_options.get("task_queue")
+            elsewhere = queue is not None and queue != workflow.info().task_queue
+            # An identity test on purpose: only the untouched default is withheld from another queue.
+            if elsewhere and heartbeat_timeout is DEFAULT_HEARTBEAT_TIMEOUT:
+                heartbeat = None
             return await workflow.execute_activity(
                 activity,  # type: ignore[call-overload]
                 args=list(args),
                 start_to_close_timeout=start_to_close_timeout,
+                heartbeat_timeout=heartbeat,
                 **activity_options,
             )
         if not (_is_finite(duration_s) and duration_s >= 0.0):
@@ -263,6 +308,7 @@ async def tool(
             inp,
             result_type=ToolResult,
             start_to_close_timeout=timeout,
+            heartbeat_timeout=heartbeat,
             **activity_options,
         )
     finally:

@@ -10,7 +10,9 @@ What it bundles:
   ``hintflow.pause_started/ended`` and ``hintflow.program_end`` (local, bookkeeping only);
 * an activity interceptor that turns every activity into program events: model-call activities (ours, and
   ``temporalio.contrib.openai_agents``' ``invoke_model_activity``) are turns, every other activity is a tool
-  pause (named by the ``tool(...)`` header, else by its activity type);
+  pause (named by the ``tool(...)`` header, else by its activity type); and that heartbeats for every
+  activity started with a heartbeat timeout (``llm`` and ``tool`` give one by default), so a worker that
+  dies mid-activity has it retried elsewhere within that timeout, not after its start-to-close timeout;
 * the workflow interceptor (``_workflow_interceptor``) that tags activities with session and tool and
   reports program end, and a client interceptor that stamps when a program was submitted;
 * a sandbox passthrough for the ``workflows`` package (so the session context set by workflow code is the
@@ -29,10 +31,11 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from temporalio import activity, client, worker
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from temporalio.plugin import SimplePlugin
 from temporalio.worker import (
     ActivityInboundInterceptor,
+    ActivityOutboundInterceptor,
     ExecuteActivityInput,
     WorkflowInboundInterceptor,
     WorkflowInterceptorClassInput,
@@ -69,6 +72,11 @@ DEFAULT_MODEL_ACTIVITIES = frozenset(
 
 _BOOKKEEPING = frozenset({PAUSE_STARTED_ACTIVITY, PAUSE_ENDED_ACTIVITY, PROGRAM_END_ACTIVITY})
 
+HEARTBEAT_FRACTION = 1 / 3
+"""The interceptor heartbeats every third of an activity's heartbeat timeout.  The SDK forwards at most one
+heartbeat per 0.8 of the timeout to the server (and the first at once), so a tick well inside that window
+means each forwarded heartbeat is a fresh one even when the worker's event loop runs late."""
+
 
 class HintflowActivities:
     """The activities the plugin registers; bound to one runtime."""
@@ -83,7 +91,11 @@ class HintflowActivities:
         try:
             return await self.runtime.generate(program_id, inp)
         except EngineUnavailable as exc:
-            raise ApplicationError(str(exc), type="EngineUnavailable") from None
+            # An outage is retried with backoff and logged by the runtime once per node state change;
+            # BENIGN keeps the SDK from logging a warning with a traceback at every attempt.
+            benign = ApplicationErrorCategory.BENIGN
+            category = benign if exc.unreachable else ApplicationErrorCategory.UNSPECIFIED
+            raise ApplicationError(str(exc), type="EngineUnavailable", category=category) from None
         except InvalidPrompt as exc:
             raise ApplicationError(str(exc), type="InvalidPrompt", non_retryable=True) from None
 
@@ -141,12 +153,60 @@ class _BookkeepingOnly:
         return [self.pause_started, self.pause_ended, self.program_end]
 
 
+class _HeartbeatDetails(ActivityOutboundInterceptor):
+    """Passes the activity's own heartbeats on and keeps their details: the interceptor's heartbeats repeat
+    them, so the details a retried attempt reads (``activity.info().heartbeat_details``) stay the ones the
+    activity last gave, not an empty heartbeat of ours."""
+
+    def __init__(self, next: ActivityOutboundInterceptor) -> None:
+        super().__init__(next)
+        self.details: tuple[Any, ...] = ()
+
+    def heartbeat(self, *details: Any) -> None:
+        self.details = details
+        self.next.heartbeat(*details)
+
+
 class _ActivityInbound(ActivityInboundInterceptor):
+    """One per activity attempt (the SDK builds the chain for each): program events, recording, heartbeats."""
+
     def __init__(self, next: ActivityInboundInterceptor, owner: HintflowInterceptor) -> None:
         super().__init__(next)
         self._owner = owner
+        self._heartbeats: _HeartbeatDetails | None = None
+
+    def init(self, outbound: ActivityOutboundInterceptor) -> None:
+        self._heartbeats = _HeartbeatDetails(outbound)
+        super().init(self._heartbeats)
 
     async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        info = activity.info()
+        timeout = info.heartbeat_timeout
+        if timeout is None or info.is_local or self._heartbeats is None:
+            return await self._execute(input)
+        # The last attempt's details until the activity heartbeats itself: an empty heartbeat would erase
+        # what a third attempt resumes from.
+        self._heartbeats.details = tuple(info.heartbeat_details)
+        beat = asyncio.create_task(
+            self._heartbeat(self._heartbeats, timeout.total_seconds() * HEARTBEAT_FRACTION),
+            name=f"hintflow-heartbeat {info.activity_type} {info.activity_id}",
+        )
+        try:
+            return await self._execute(input)
+        finally:
+            beat.cancel()
+            # wait, not await: a cancellation of this activity while waiting must go on, not be swallowed
+            await asyncio.wait([beat])
+
+    @staticmethod
+    async def _heartbeat(out: _HeartbeatDetails, period_s: float) -> None:
+        """Heartbeat (through the outbound chain, on this event loop: the activity itself may be a sync
+        function on an executor thread) until cancelled when the activity ends."""
+        while True:
+            out.next.heartbeat(*out.details)
+            await asyncio.sleep(period_s)
+
+    async def _execute(self, input: ExecuteActivityInput) -> Any:
         info = activity.info()
         recorder = self._owner.recorder
         if recorder is None or not info.workflow_id:

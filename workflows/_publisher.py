@@ -17,6 +17,10 @@ lapsed while queued is dropped as expired (the node would have let it go anyway)
 always delivered. Past ``max_pending`` queued hints the oldest are dropped. No drop is silent: each is
 counted in ``num_dropped`` and ``hintflow_hints_dropped_total{reason="queue-full"|"expired"}``.
 
+A node that is down is retried with backoff for as long as it stays down, so the log gets one line per
+change of state (:class:`StreamHealth`: a warning when the stream fails, a line when it is back), and each
+retry goes to DEBUG only.
+
 Metrics, labelled ``node`` (the address): ``hintflow_hint_delivery_seconds`` (publish to ack, per hint),
 ``hintflow_hints_sent_total{code}`` (acked hints by result code), ``hintflow_hint_push_failures_total``,
 ``hintflow_hints_dropped_total{reason}``, ``hintflow_publisher_connected``.
@@ -40,7 +44,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from hints import MAX_PROGRAM_AGE_S, EngineClient, EvictionOrder, HintAck, HintModel, Pin, Prefetch, Priority
 
-__all__ = ["HintPublisher"]
+__all__ = ["HintPublisher", "StreamHealth", "describe_error"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,52 @@ def _metrics_for(r: CollectorRegistry) -> _Metrics:
             Gauge("hintflow_publisher_connected", "1 while the last push was acked.", ["node"], registry=r),
         )  # fmt: skip
     return _METRICS[r]
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a failed call: ``CODE: details`` for a gRPC error (its str() is a multi-line debug
+    dump), else ``Type: message``."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class StreamHealth:
+    """Whether one stream to one node works, logged once per change of state.
+
+    Why: a node that is down is retried with backoff (every couple of seconds) for as long as it is down,
+    by the hint publisher and by the runtime's cache-state watch alike; a line per attempt would fill an
+    operator's log with the same news.  So: a warning when the stream goes down (or cannot be opened at
+    all), one line when it is back (how long it was down, how many attempts failed), DEBUG in between.
+    """
+
+    def __init__(self, what: str, logger: logging.Logger = log) -> None:
+        self.what, self._log = what, logger
+        self.down_since: float | None = None  # time.monotonic() of the first failure of this outage
+        self.failures = 0  # failed attempts in this outage
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    def failed(self, error: str, retry_in_s: float) -> None:
+        """An attempt failed; the next one is in ``retry_in_s``."""
+        self.failures += 1
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            self._log.warning("%s failed (%s); retrying with backoff", self.what, error)
+        else:
+            self._log.debug(
+                "%s: attempt %d failed (%s); next in %.2f s", self.what, self.failures, error, retry_in_s
+            )
+
+    def ok(self) -> None:
+        """The stream works (again)."""
+        if self.down_since is None:
+            return
+        down_s = time.monotonic() - self.down_since
+        self._log.info("%s back after %.1f s, %d failed attempts", self.what, down_s, self.failures)
+        self.down_since, self.failures = None, 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +186,7 @@ class HintPublisher:
         self._client: EngineClient | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = self._connected = self._warned_full = False
+        self.health = StreamHealth(f"hint stream to {address}")
         self.num_sent = self.num_acked_ok = self.num_failures = self.num_dropped = 0
 
     @property
@@ -264,7 +315,6 @@ class HintPublisher:
 
     async def _run(self) -> None:
         failed = 0  # consecutive failed pushes: 0 while healthy
-        outage_since = 0.0
         while True:
             if not self._queue:
                 self._wakeup.clear()
@@ -285,22 +335,14 @@ class HintPublisher:
                 self._metrics.failures.labels(node=self.address).inc()
                 self._set_connected(False)
                 await self._drop_client()  # a fresh channel connects at once, not after gRPC's own backoff
-                error = f"{type(e).__name__}: {e}"
-                if isinstance(e, grpc.aio.AioRpcError):  # its str() is a multi-line debug dump
-                    error = f"{e.code().name}: {e.details()}"
-                if failed == 0:
-                    outage_since = time.monotonic()
-                    log.warning("hint stream to %s failed (%s); retrying with backoff", self.address, error)
                 failed += 1
                 delay = min(self.backoff_max_s, self.backoff_initial_s * 2.0 ** min(failed - 1, 60))
                 delay *= random.uniform(0.5, 1.0)
-                log.info("reconnecting to %s in %.2f s (attempt %d, %s)", self.address, delay, failed, error)
+                self.health.failed(describe_error(e), delay)
                 await asyncio.sleep(delay)
                 continue
             self._inflight = []
-            if failed:
-                down_s = time.monotonic() - outage_since
-                log.info("hint stream to %s back after %.1f s, %d failures", self.address, down_s, failed)
+            self.health.ok()
             failed, self._warned_full = 0, False
             self._set_connected(True)
             self._on_acked(items, hints, ack)

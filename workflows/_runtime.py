@@ -85,7 +85,7 @@ from orchestrator import (
     get_policy,
 )
 from workflows._api import LLMInput, LLMResult, decode_text
-from workflows._publisher import HintPublisher
+from workflows._publisher import HintPublisher, StreamHealth, describe_error
 
 __all__ = ["EngineUnavailable", "HintRuntime", "InvalidPrompt", "ProgramStats", "turn_client"]
 
@@ -105,7 +105,16 @@ def turn_client(spec: str | EngineSpec) -> EngineClient | VllmClient:
 
 
 class EngineUnavailable(RuntimeError):
-    """No engine node could take the call; retryable (the activity retries until a node answers)."""
+    """No engine node could take the call; retryable (the activity retries until a node answers).
+
+    ``unreachable``: no node answered at all (an outage, retried with backoff until one is back), as
+    opposed to a node that answered with an error.  The activity reports an outage as a benign failure, so
+    the SDK does not log a warning and a traceback at every retry: the runtime logs the node going down
+    and coming back once each (``HintRuntime.node_health``)."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class InvalidPrompt(ValueError):
@@ -234,6 +243,10 @@ class HintRuntime:
         )
         self.publishers: dict[str, HintPublisher] = {}
         self.clients: dict[str, EngineClient | VllmClient] = {}
+        # per node: its cache-state stream up or down (a node down is taken out of the router)
+        self.node_health: dict[str, StreamHealth] = {
+            a: StreamHealth(f"engine node {a}: cache-state stream", logger) for a in self.engines
+        }
         self._tasks: list[asyncio.Task[None]] = []
         # Set by HintflowPlugin from its worker's client: lets a reap ask Temporal whether the program closed.
         self.temporal_client: Any = None
@@ -280,12 +293,17 @@ class HintRuntime:
         await self.stop()
 
     async def _watch(self, addr: str) -> None:
-        """Keep the router's view of ``addr`` fresh; drop the node while it is unreachable."""
+        """Keep the router's view of ``addr`` fresh; drop the node while it is unreachable.  Retried with
+        backoff while the node is down; logged once when it goes down and once when it is back
+        (``StreamHealth``), not at every attempt."""
         backoff_s = 0.1
+        health = self.node_health[addr]
         while True:
             client = EngineClient(self.specs[addr].hint_address)
+            error = "the stream ended"
             try:
                 async for state in client.watch_cache_state(self.watch_interval_s, include_sessions=True):
+                    health.ok()
                     self.router.update(addr, state, time.monotonic())
                     self.note_host_tier(addr, state.host_total_blocks > 0)
                     self._pool_tokens[addr] = float(state.total_blocks * state.block_size)
@@ -293,10 +311,11 @@ class HintRuntime:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                logger.info("cache-state stream from %s failed (%s); retrying in %.1fs", addr, exc, backoff_s)
+                error = describe_error(exc)
             finally:
                 self.router.remove(addr)
                 await client.close()
+            health.failed(error, backoff_s)
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
 
@@ -692,7 +711,8 @@ class HintRuntime:
                     last_error = f"{exc} (none is answering its cache-state stream)"
                 raise EngineUnavailable(
                     f"no engine node reachable for session {inp.session_id!r} "
-                    f"(configured: {', '.join(self.engines)}; tried: {', '.join(tried) or 'none'}): {last_error}"
+                    f"(configured: {', '.join(self.engines)}; tried: {', '.join(tried) or 'none'}): {last_error}",
+                    unreachable=True,
                 ) from None
             addr = decision.address
             s = self._session(inp.session_id, program_id)
