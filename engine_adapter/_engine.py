@@ -60,6 +60,7 @@ class EngineCore:
         pin_budget_fraction: float = 0.5,
         eviction_policy: str = "hinted",
         retain_contexts: bool = True,
+        host_write_through: bool = False,
         node_id: str = "",
         model_name: str = "hintflow-tiny",
         pace_modeled: bool = False,
@@ -77,6 +78,7 @@ class EngineCore:
             pin_budget_fraction=pin_budget_fraction,
             eviction_policy=eviction_policy,
             retain_contexts=retain_contexts,
+            host_write_through=host_write_through,
         )
         self.scheduler = Scheduler(self.kv, self.clock, scheduler_config)
         self.scheduler.on_finish = self._on_finish
@@ -329,6 +331,7 @@ class EngineCore:
                 version=self.version,
                 # an executor that does not say (a third-party one) leaves the router's default
                 host_reload_s_per_token=float(getattr(self.executor, "host_reload_s_per_token", 0.0)),
+                host_hit_fraction=kv.host_hits.fraction() if kv.host.num_blocks else 0.0,
             )
 
     # ---- moving contexts between nodes (_context_transfer) -------------------------------------

@@ -89,10 +89,14 @@ class KVCacheManager(HostTier):
             new_blocks += dev
             reloaded_tokens = plan.num_host_tokens
             self.stats.reloaded_blocks += len(dev)
+        reused = self._keep_saved(s, plan) if self.host_write_through else set()
         for hb in s.host_block_ids:
-            self.host.unref(hb)  # reloaded (copy already queued) or no longer part of the context
+            if hb not in reused:
+                self.host.unref(hb)  # reloaded (copy already queued) or no longer part of the context
         s.host_block_ids = []
         total = cached + reloaded_tokens
+        if self.host.num_blocks:
+            self.host_hits.observe(plan.num_history_tokens, cached, reloaded_tokens)
         s.token_ids = prompt[:total]
         s.block_ids = new_blocks
         s.epoch += 1
@@ -104,6 +108,26 @@ class KVCacheManager(HostTier):
         self._refresh(s)
         plan.num_host_tokens = reloaded_tokens
         return True
+
+    def _keep_saved(self, s: Session, plan: PrefixPlan) -> set[int]:
+        """Write-through: the host copies that stay with the new context (of its leading own device blocks,
+        then of the blocks reloaded right after them: the host keeps what it loads); the others let go.
+        Returns the reloaded host blocks kept (``attach`` must not let go of them)."""
+        s.last_used_s = self.clock.now()  # a load touches the chain (LRU)
+        lead = 0
+        for (bid, own), old in zip(plan.device, s.block_ids, strict=False):
+            if not own or bid != old:
+                break
+            lead += 1
+        saved = s.saved_host_ids
+        kept = min(len(saved), lead)
+        for hb in saved[kept:]:
+            self.host.unref(hb)
+        del saved[kept:]
+        if not plan.host or kept != len(plan.device):
+            return set()
+        saved.extend(plan.host)
+        return set(plan.host)
 
     def ensure_slots(self, s: Session, num_tokens: int) -> bool:
         """Give a running session enough device blocks for ``num_tokens`` positions (evicting others)."""
@@ -147,8 +171,10 @@ class KVCacheManager(HostTier):
             s.pin_deadline_s = None
             self.stats.pin_expiries += 1
         drop = s.released and finished
+        if not drop:
+            self.save_turn(s)  # (a write-through host tier only)
         if drop or not self.retain_contexts:
-            self._drop_device(s, len(s.block_ids))
+            self._drop_device(s, len(s.block_ids), spill=not drop)
             if drop:
                 self.free_session(s)
                 return
@@ -174,9 +200,15 @@ class KVCacheManager(HostTier):
             self._evict_one(victim)
         return self.device.allocate(n)
 
-    def _drop_device(self, s: Session, n: int) -> None:
+    def _drop_device(self, s: Session, n: int, *, spill: bool = False) -> None:
+        """Let go of the last ``n`` device blocks and every host block behind them; ``spill``: a
+        write-through host keeps its copies of them (the context stays reloadable from the host)."""
         self._unpin(s)
-        self._drop_host(s, len(s.host_block_ids))
+        keep = max(0, len(s.block_ids) - n)
+        if spill and self.host_write_through:
+            self._spill_saved(s, keep)
+        else:
+            self._drop_host(s, len(s.host_block_ids) + max(0, len(s.saved_host_ids) - keep))
         for _ in range(min(n, len(s.block_ids))):
             self.device.unref(s.block_ids.pop())
         del s.block_hashes[len(s.block_ids) :]
@@ -223,11 +255,15 @@ class KVCacheManager(HostTier):
         for s in list(self.sessions.values()):
             cut = next((i for i, b in enumerate(s.block_ids) if b in reloaded), None)
             host_cut = next((i for i, b in enumerate(s.host_block_ids) if b in offloaded), None)
+            saved_cut = next((i for i, b in enumerate(s.saved_host_ids) if b in offloaded), None)
+            if saved_cut is not None:  # a write-through copy that may not have run, and all behind it
+                self._drop_host(s, len(s.host_block_ids) + len(s.saved_host_ids) - saved_cut)
+                host_cut = None
             if cut is not None:
                 self._drop_device(s, len(s.block_ids) - cut)  # (and every host block behind them)
             elif host_cut is not None:
                 self._drop_host(s, len(s.host_block_ids) - host_cut)
-            else:
+            elif saved_cut is None:
                 continue
             num_touched += 1
         return num_touched

@@ -26,6 +26,9 @@ class Session:
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     host_block_ids: list[int] = field(default_factory=list)
+    # A write-through host tier's copies of the leading device blocks (``block_ids[:len(...)]``), saved as
+    # turns end; empty unless the node's host tier is write-through (see ``_host_tier``).
+    saved_host_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full logical block
     state: SessionState = SessionState.PARKED
     last_used_s: float = 0.0

@@ -12,6 +12,8 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
+from predictors import HostHitShare
+
 from ._block_pool import NONE_HASH, BlockPool, hash_block_tokens
 from ._eviction import SessionHeap, get_eviction_policy
 from ._executor import Clock, CopyOp
@@ -72,6 +74,7 @@ class SessionTable:
         pin_budget_fraction: float = 0.5,
         eviction_policy: str = "hinted",
         retain_contexts: bool = True,
+        host_write_through: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -85,6 +88,12 @@ class SessionTable:
         self.policy = get_eviction_policy(eviction_policy)
         # False reproduces vLLM: a finished request's blocks go straight to the free queue (LRU).
         self.retain_contexts = retain_contexts
+        # True models vLLM's host connectors (hintflow's and the native one): every turn's blocks are
+        # copied to the host as they are computed, and the host drops least recently used chains first
+        # whatever the hints say; False (ours) copies a block out only when the device evicts it.
+        self.host_write_through = host_write_through and num_host_blocks > 0
+        self._host_policy = get_eviction_policy("lru") if self.host_write_through else self.policy
+        self.host_hits = HostHitShare()  # what the host tier gave back of evicted contexts (KVCacheManager.attach)
         self.sessions: dict[str, Session] = {}
         # program -> its sessions in creation order (a dict, not a set: releasing a program frees them in
         # an order that must not depend on string hashing, or replays differ between runs)
@@ -133,8 +142,8 @@ class SessionTable:
             self._device_evictable.set(s, self.policy.ref_time(s))
         else:
             self._device_evictable.discard(s)
-        if s.host_block_ids:
-            self._host_holders.set(s, self.policy.ref_time(s))
+        if s.host_block_ids or s.saved_host_ids:
+            self._host_holders.set(s, self._host_policy.ref_time(s))
         else:
             self._host_holders.discard(s)
 
@@ -276,8 +285,10 @@ class SessionTable:
         for s in self.sessions.values():
             for bid in s.block_ids:
                 dev_refs[bid] += 1
-            for hb in s.host_block_ids:
+            for hb in s.host_block_ids + s.saved_host_ids:
                 host_refs[hb] += 1
+            if len(s.saved_host_ids) > len(s.block_ids):
+                raise AssertionError(f"{s.session_id}: write-through copies past its device blocks")
             for bid in s.block_ids[: s.pinned_blocks]:
                 pins[bid] += 1
             if s.pinned_blocks > len(s.block_ids):

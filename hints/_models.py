@@ -244,6 +244,9 @@ class CacheState(_Frozen):
     # a host-tier reload's cost per token on this node (0: no host tier, or not known yet); the router
     # and the pin rule price a context on host by it
     host_reload_s_per_token: Seconds = 0.0
+    # the share of evicted contexts' tokens that the host tier gave back lately (predictors.HostHitShare);
+    # 0 without a host tier: pins on it are priced as a copy back for this share, a re-prefill for the rest
+    host_hit_fraction: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
 
     @property
     def kv_utilization(self) -> float:

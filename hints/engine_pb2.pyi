@@ -494,6 +494,7 @@ class CacheState(_message.Message):
     NODE_TIME_S_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     HOST_RELOAD_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    HOST_HIT_FRACTION_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model_name: _builtins.str
     block_size: _builtins.int
@@ -510,6 +511,11 @@ class CacheState(_message.Message):
     host_reload_s_per_token: _builtins.float
     """seconds to copy one token's KV from this node's host tier back to its device, as the node measured
     (torch executor) or was configured (cost model, vLLM node); 0: no host tier, or not known yet
+    """
+    host_hit_fraction: _builtins.float
+    """the share of evicted contexts' tokens that returning turns found on this node's host tier lately
+    (predictors.HostHitShare: 1 until a miss is seen); pins are priced as a copy back for that share and
+    as a re-prefill for the rest. 0 without a host tier (and from a node that does not report it)
     """
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionResidency]: ...
@@ -531,10 +537,11 @@ class CacheState(_message.Message):
         node_time_s: _builtins.float = ...,
         version: _builtins.int = ...,
         host_reload_s_per_token: _builtins.float = ...,
+        host_hit_fraction: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_fraction", b"host_hit_fraction", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

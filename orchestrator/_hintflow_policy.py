@@ -40,14 +40,18 @@ class HintFlowPolicy(ContinuumPolicy):
     def _host_reload_changed(self) -> None:
         """With a host tier an evicted context comes back by copy, not by re-prefill: a pin saves only the
         cheaper of the two, so it is priced by that (Continuum prices re-prefill alone), and without
-        Continuum's queueing term (HostTierTTL). The estimates learned so far carry over."""
+        Continuum's queueing term (HostTierTTL), for the share of evicted contexts the tier does give
+        back (``host_hit_fraction``, the node's measure); the rest is priced as a re-prefill, as the vLLM
+        node's own inference prices it. The estimates learned so far carry over."""
         old = self.ttl
         if self.host_reload is None:
             self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload, pool_tokens=self.pool_tokens)
         else:
             prefill, host = self.prefill_reload, self.host_reload
             self.ttl = HostTierTTL(
-                self.pause_model, lambda n: min(float(prefill(n)), float(host(n))), pool_tokens=self.pool_tokens
+                self.pause_model, lambda n: min(float(prefill(n)), float(host(n))), pool_tokens=self.pool_tokens,
+                miss_reload=prefill if self.host_hit_fraction is not None else None,
+                host_hit_fraction=self.host_hit_fraction,
             )
         self.ttl.learn_from(old)
 

@@ -78,12 +78,16 @@ class _BasePolicy:
         host_reload: Callable[[int], float] | None = None,
         pool_tokens: Callable[[], float] | None = None,
         memory_share: bool = False,
+        host_hit_fraction: Callable[[], float] | None = None,
     ) -> None:
         self.pause_model = pause_model if pause_model is not None else PauseModel()
         self.prefill_reload = prefill_reload
         # Seconds to copy a context of n tokens back from the node's host tier (None: no host tier).  The
         # baselines price a lost context as their papers do; ours may use it (see HintFlowPolicy).
         self.host_reload = host_reload
+        # The share of an evicted context that the nodes' host tier gives back (``CacheState``'s
+        # ``host_hit_fraction``, read at each decision; None: all of it). The rest is re-prefilled.
+        self.host_hit_fraction = host_hit_fraction
         # Tokens of device KV on the nodes, read at each pin decision (None: not known).  The baselines
         # price a pin as their papers do; ours, with ``memory_share``, by the share of the pool it holds
         # (HintFlowPolicy; off by default here, on in the vLLM node's own inference: docs/tuning.md).
@@ -103,10 +107,14 @@ class _BasePolicy:
         # session -> (sent_at_s, next_use_s) of the last NextUse we sent, for incremental updates
         self._sent_next_use: dict[str, tuple[float, float]] = {}
 
-    def set_host_reload(self, host_reload: Callable[[int], float] | None) -> None:
-        """The nodes have (or no longer have) a host tier: seconds to copy a context of n tokens back.
-        The baselines price a lost context as their papers do and ignore it; ``HintFlowPolicy`` re-prices."""
+    def set_host_reload(
+        self, host_reload: Callable[[int], float] | None, host_hit_fraction: Callable[[], float] | None = None
+    ) -> None:
+        """The nodes have (or no longer have) a host tier: seconds to copy a context of n tokens back, and
+        the share of an evicted context the tier gives back (None: all). The baselines price a lost
+        context as their papers do and ignore both; ``HintFlowPolicy`` re-prices."""
         self.host_reload = host_reload
+        self.host_hit_fraction = host_hit_fraction
         self._host_reload_changed()
 
     def set_pool_tokens(self, pool_tokens: Callable[[], float] | None) -> None:

@@ -1,4 +1,5 @@
-"""Pure predictors that both sides of hintflow use: the pause model and Continuum's TTL cost model.
+"""Pure predictors that both sides of hintflow use: the pause model, Continuum's TTL cost model and
+what a host tier gives back.
 
 The orchestrator's policies and the vLLM node's engine-side hint inference
 (``engine_adapter.vllm_backend``) decide pins from the same two objects, so they live here, in a package
@@ -6,6 +7,7 @@ that imports nothing else of ours (numpy only): an engine node runs without the 
 docs/architecture.md, "Which package may import which".
 """
 
+from predictors._host_hit import HOST_HIT_DECAY, HostHitShare
 from predictors._pause_model import (
     EmpiricalDistribution,
     ExponentialDistribution,
@@ -16,9 +18,11 @@ from predictors._ttl import DEFAULT_RENEW_QUANTILE, ContinuumTTL, HostTierTTL, c
 
 __all__ = [
     "DEFAULT_RENEW_QUANTILE",
+    "HOST_HIT_DECAY",
     "ContinuumTTL",
     "EmpiricalDistribution",
     "ExponentialDistribution",
+    "HostHitShare",
     "HostTierTTL",
     "PauseDistribution",
     "PauseModel",

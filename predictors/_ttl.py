@@ -82,15 +82,20 @@ class ContinuumTTL:
         queue_window: int = 100,
         min_programs: int = 10,
         pool_tokens: Callable[[], float] | None = None,
+        queue_delay_floor_s: Callable[[], float] | None = None,
     ) -> None:
         """``prefill_reload(context_tokens)`` is the seconds to re-prefill a context of that length
         (Continuum uses a profiled quadratic fit).  ``pool_tokens()``: the device pool a pin holds memory
-        of, in tokens, read at each decision (0 or None: not known, Continuum's cost)."""
+        of, in tokens, read at each decision (0 or None: not known, Continuum's cost).
+        ``queue_delay_floor_s()``: a floor under T, read at each decision (the vLLM node's inference
+        gives the wait behind the engine's prefill backlog: Continuum's T is 0 until evicted turns have
+        been seen queueing, so under a sudden load no pin would pay exactly when pins matter most)."""
         if queue_window < 1:
             raise ValueError(f"queue_window must be >= 1, got {queue_window}")
         self.pause_model = pause_model
         self.prefill_reload = prefill_reload
         self.pool_tokens = pool_tokens
+        self.queue_delay_floor_s = queue_delay_floor_s
         self.min_programs = min_programs
         self._queue_delays_s: deque[float] = deque(maxlen=queue_window)
         # Exact integer moments of the (k, r = N - k) pairs; Python ints never lose precision.
@@ -113,9 +118,10 @@ class ContinuumTTL:
 
     @property
     def queue_delay_s(self) -> float:
-        """T: 0 until any evicted request has been observed (Continuum's start)."""
+        """T: 0 until any evicted request has been observed (Continuum's start), at least the floor."""
         q = self._queue_delays_s
-        return math.fsum(q) / len(q) if q else 0.0
+        t = math.fsum(q) / len(q) if q else 0.0
+        return max(t, self.queue_delay_floor_s()) if self.queue_delay_floor_s is not None else t
 
     # ---- eta: -Corr(k, N - k) over finished programs -------------------------------------------------
     def observe_program_finished(self, num_turns: int) -> None:
@@ -211,7 +217,7 @@ class HostTierTTL(ContinuumTTL):
         return 0.0
 
     def miss_queue_delay_s(self) -> float:
-        """T for the part that recomputes: Continuum's measured mean (subclasses may floor it)."""
+        """T for the part that recomputes: Continuum's measured mean, at least the floor."""
         return ContinuumTTL.queue_delay_s.fget(self)  # type: ignore[attr-defined,no-any-return]
 
     def benefit_s(self, context_tokens: int) -> float:

@@ -10,6 +10,10 @@ what differs is only what the paper behind it changes.  Why each field exists:
 * ``eviction_policy``: "lru" ignores ``EvictionOrder`` hints; "hinted" follows them.
 * ``host_tier``: offload evicted blocks to host memory (the replay's ``host_capacity_tokens``) instead of
   dropping them.  Only the designs that use one get it (KVFlow, Continuum's offload variant, hintflow).
+* ``host_write_through``: the host tier is filled as vLLM's host connectors fill theirs (every turn's
+  blocks copied out as it ends, least recently used chains dropped first) instead of on eviction in the
+  hinted order (``engine_adapter/_host_tier.py``). Off for every registered row; ``scripts/vllm_predict.py``
+  sets it for the real node's ``+host`` modes, which run such a connector.
 * ``cold_prefill_cap``: the hintflow engine's cap on cold prefills while warm work shares a step; vLLM
   (and the systems built on it) have no such cap, so the baselines run with the whole step budget.
   ``hintflow`` runs with it, as the engine ships.  Measured both ways: on the replay's workloads, which
@@ -74,6 +78,7 @@ class ReplayConfig:
     retain_contexts: bool
     eviction_policy: str
     host_tier: bool
+    host_write_through: bool = False  # the host tier as vLLM's connectors fill it (see the docstring)
     cold_prefill_cap: bool = False
     infinite_kv: bool = False
     thunderagent_controller: bool = False

@@ -103,6 +103,7 @@ class Simulation:
         self.policy: HintPolicy = PolicySpec(config.hint_policy, config.policy_options).build(
             POLICIES, prefill_reload=self.prefill.reload_s, host_reload=host_reload,
             pool_tokens=lambda: float(spec.num_device_tokens),  # (every node has the same pool here)
+            host_hit_fraction=self._host_hit_fraction if host_reload is not None else None,
         )
         self.router = Router(
             cm.prefill_time,
@@ -174,6 +175,12 @@ class Simulation:
             extra=self._extra(),
             node_totals=[n.totals() for n in self.nodes],
         )
+
+    def _host_hit_fraction(self) -> float:
+        """What the nodes' host tiers give back of evicted contexts (each node's ``CacheState`` figure,
+        averaged: the policy does not know which node a session is on, as in the live runtime)."""
+        shares = [n.engine.kv.host_hits.fraction() for n in self.nodes]
+        return sum(shares) / len(shares)
 
     def _extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}

@@ -27,6 +27,9 @@ from replay._vllm_workload import BLOCK, AgentProgram, AgentSession
 
 __all__ = ["HintPusher", "ProgramResult", "TurnResult", "run_program"]
 
+HOST_HIT_READ_S = 1.0
+"""How often the pusher reads the node's ``host_hit_fraction`` (a ``GetCacheState`` call)."""
+
 
 @dataclass
 class TurnResult:
@@ -72,8 +75,13 @@ class HintPusher:
         host = None if host_s_per_token is None else (lambda n: host_s_per_token * n)
         self.s_per_token = s_per_token
         pool = None if pool_tokens is None else (lambda: pool_tokens)
+        # what the node's host tier gives back (its CacheState, read every HOST_HIT_READ_S), as the live
+        # runtime reads it from the state stream
+        self.host_hit = 1.0
+        self._read_hits = host is not None
         self.policy = get_policy(policy_name, prefill_reload=lambda n: s_per_token * n, host_reload=host,
-                                 pool_tokens=pool)
+                                 pool_tokens=pool,
+                                 host_hit_fraction=None if host is None else (lambda: self.host_hit))
         self.channel = grpc.insecure_channel(target)
         self.stub = engine_pb2_grpc.EngineNodeStub(self.channel)
         self.tick_s = tick_s
@@ -108,9 +116,12 @@ class HintPusher:
     def _run(self) -> None:
         from orchestrator import Tick
 
-        next_tick = 0.0
+        next_tick = next_read = 0.0
         while not self._stop.is_set():
             now = time.monotonic() - self.t0
+            if self._read_hits and now >= next_read:
+                self._read_host_hit()
+                next_read = now + HOST_HIT_READ_S
             hints: list[Any] = []
             try:
                 ev = self.events.get(timeout=max(0.0, next_tick - now))
@@ -125,6 +136,15 @@ class HintPusher:
                 next_tick = now + self.tick_s
             if hints:
                 self._push(hints)
+
+    def _read_host_hit(self) -> None:
+        from hints import engine_pb2
+
+        try:
+            state = self.stub.GetCacheState(engine_pb2.WatchCacheStateRequest(), timeout=2)
+            self.host_hit = min(1.0, max(0.0, float(state.host_hit_fraction)))
+        except Exception as e:  # keep the last figure: a missed read is not a failed benchmark
+            self.codes[f"cache-state:{type(e).__name__}"] += 1
 
     def _push(self, hints: list[Any]) -> None:
         from hints import HintBatch, ack_from_proto, batch_to_proto

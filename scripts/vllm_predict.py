@@ -4,7 +4,8 @@
 
 REAL.json is a ``hintflow replay --backend vllm --json`` report with a ``vanilla`` row (same trace, same
 pool, one sitting); ``MODE+host`` rows are predicted on a node with the report's host tier and compared
-with ``vanilla+host`` (the stock scheduler with the same tier), which the report must have too. Step 1 fits the replay's cost model to this machine: the ``cpu-vllm-tiny`` profile
+with ``vanilla+host`` (the stock scheduler with the same tier), which the report must have too; their
+nodes' host tier is write-through with LRU drops (``host_write_through``), as the real connector's is. Step 1 fits the replay's cost model to this machine: the ``cpu-vllm-tiny`` profile
 with its re-prefill and decode-step costs chosen on a grid so that the replayed ``vllm-default`` matches
 the measured ``vanilla`` (mean and p90 JCT, TTFT p50), as ``cpu-vllm-tiny`` itself was calibrated on
 another machine (a VM three times faster makes a different operating point, not only a faster one).
@@ -40,8 +41,10 @@ MIRRORS = {
     "continuum": f"node.continuum=continuum:{NODE}",
     "kvflow": f"node.kvflow=kvflow:{NODE.replace('aging_s=3', 'aging_s=0')}",  # KVFlow's mode: request FCFS
     "thunderagent": f"node.thunderagent=thunderagent:{NODE},thunderagent_controller=false",  # live: no controller
-    "vanilla+host": "node.vanilla+host=vllm-default:host_tier=true",  # stock scheduler, hintflow's host tier
 }
+HOST = "host_tier=true,host_write_through=true"
+"""A ``+host`` mode's node: the real one runs hintflow's host connector (write-through, LRU), and so
+does the stock scheduler's (``vanilla+host``)."""
 """Each real mode as the replay's configuration of one embedded node that runs the same rules."""
 KEYS = ("jct_mean_s", "jct_p90_s", "ttft_p50_s")
 PREFILL_S_PER_TOKEN = [5e-5 * 1.25**i for i in range(12)]  # 5e-5 .. 5.8e-4
@@ -63,7 +66,9 @@ def _mirror(mode: str) -> str:
         return MIRRORS[mode]
     base = mode.removesuffix("+host")
     spec = MIRRORS[base]
-    return spec.replace(f"node.{base}=", f"node.{mode}=", 1) if "=" in spec else f"node.{mode}={spec}:host_tier=true"
+    if "=" in spec:
+        return spec.replace(f"node.{base}=", f"node.{mode}=", 1) + f",{HOST}"
+    return f"node.{mode}={spec}:{HOST}"
 
 
 def _reference(mode: str) -> str:

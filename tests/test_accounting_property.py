@@ -32,14 +32,23 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, min_size=10, max_size=60), host=st.sampled_from([0, 12]), seed=st.integers(0, 3))
-def test_any_mix_of_operations_keeps_every_block_accounted(ops: list[tuple], host: int, seed: int) -> None:  # type: ignore[type-arg]
+# host tier: none; filled on eviction (ours); write-through (vLLM's connectors), with contexts retained or
+# not (vLLM's own scheduler)
+HOST_MODES = {"none": (0, False, True), "on-evict": (12, False, True), "write-through": (12, True, True),
+              "write-through, vLLM": (12, True, False)}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=10, max_size=60), mode=st.sampled_from(sorted(HOST_MODES)), seed=st.integers(0, 3))
+def test_any_mix_of_operations_keeps_every_block_accounted(ops: list[tuple], mode: str, seed: int) -> None:  # type: ignore[type-arg]
+    host, write_through, retain = HOST_MODES[mode]
+    event(f"host tier: {mode}")
     ex = make_torch_executor(num_device_blocks=32, block_size=4, num_host_blocks=host, num_layers=1, hidden_size=32,
                              num_heads=2, num_kv_heads=1, intermediate_size=32, max_model_len=512, seed=seed)
     clock = VirtualClock()
     core = EngineCore(ex, clock=clock, scheduler_config=SchedulerConfig(max_num_batched_tokens=64,
-                      cold_prefill_budget_tokens=16, warm_threshold_tokens=8), pin_budget_fraction=0.3)
+                      cold_prefill_budget_tokens=16, warm_threshold_tokens=8), pin_budget_fraction=0.3,
+                      host_write_through=write_through, retain_contexts=retain)
     history: dict[str, list[int]] = {}
     submitted: list[str] = []
     for o in ops:

@@ -244,7 +244,76 @@ def test_offload_to_host_and_reload_as_a_hit() -> None:
     kv.attach(a, prompt, plan)
     assert [op.kind for op in kv.take_copies()] == ["h2d"] * 4
     assert a.num_device_tokens == 16 and not a.host_block_ids
+    assert kv.host_hits.num_observed == 1 and kv.host_hits.fraction() == 1.0  # all came back from the host
     kv.check_invariants()
+
+
+def test_host_hit_share_counts_what_the_host_tier_lost() -> None:
+    """What ``CacheState.host_hit_fraction`` reports: of evicted contexts, the share the host gave back."""
+    kv, _ = make_kv(8, host=2)
+    a = park_context(kv, "a", toks(0, 16))
+    park_context(kv, "b", toks(100, 16))
+    assert take(kv, 4) and len(a.host_block_ids) == 2  # half of a's context fits the host
+    kv.release_program("b")
+    plan = kv.plan_prefix(a, toks(0, 16) + [1])
+    kv.attach(a, toks(0, 16) + [1], plan)
+    assert kv.host_hits.fraction() == pytest.approx(0.5)
+
+
+def test_write_through_saves_each_turn_and_an_eviction_copies_nothing() -> None:
+    """vLLM's connectors, as the replay models them: copies as turns end, none on eviction, and the host
+    keeps what it loads."""
+    kv, clock = make_kv(8, host=8, host_write_through=True)
+    a = park_context(kv, "a", toks(0, 16))
+    assert [op.kind for op in kv.take_copies()] == ["d2h"] * 4  # the turn's 4 full blocks, at once
+    assert len(a.saved_host_ids) == 4 and not a.host_block_ids
+    clock.advance(1.0)
+    park_context(kv, "b", toks(100, 16))
+    kv.take_copies()
+    assert take(kv, 4)  # evicts a (least recently used): its copies become its host run, no copy queued
+    assert kv.take_copies() == []
+    assert not a.block_ids and len(a.host_block_ids) == 4 and not a.saved_host_ids
+    prompt = toks(0, 16) + [1, 2]
+    plan = kv.plan_prefix(a, prompt)
+    assert plan.num_host_tokens == 16
+    kv.attach(a, prompt, plan)
+    assert [op.kind for op in kv.take_copies()] == ["h2d"] * 4
+    assert len(a.saved_host_ids) == 4  # reloaded blocks keep their host copies: the next save skips them
+    kv.check_invariants()
+
+
+def test_write_through_host_drops_the_least_recently_used_chain_whatever_the_hints() -> None:
+    """A host smaller than the device pool holds the most recent turns, which the device holds too."""
+    kv, clock = make_kv(12, host=4, host_write_through=True)
+    a = park_context(kv, "a", toks(0, 16))
+    kv.set_next_use(a, 1.0)  # hinted to return soon: the write-through host ignores it
+    clock.advance(1.0)
+    b = park_context(kv, "b", toks(100, 16))
+    assert not a.saved_host_ids and len(b.saved_host_ids) == 4
+    clock.advance(1.0)
+    c = park_context(kv, "c", toks(200, 24))  # longer than the host: saves what fits, never its own chain
+    assert not b.saved_host_ids and len(c.saved_host_ids) == 4 and len(c.block_ids) == 6
+    assert take(kv, 8)  # a and b leave the device: nothing of theirs is on the host
+    assert not a.block_ids and not a.host_block_ids and not b.host_block_ids
+    kv.check_invariants()
+
+
+def test_write_through_without_retained_contexts_reloads_a_finished_turn_from_the_host() -> None:
+    """vLLM's own scheduler frees a finished turn's blocks; the connector's copies make it a host hit."""
+    kv, _ = make_kv(8, host=10, host_write_through=True, retain_contexts=False)
+    a = park_context(kv, "a", toks(0, 16))
+    assert not a.block_ids and len(a.host_block_ids) == 4 and not a.saved_host_ids
+    park_context(kv, "b", toks(100, 20))  # 4 blank blocks and one of a's freed ones
+    prompt = toks(0, 16) + [5]
+    plan = kv.plan_prefix(a, prompt)
+    assert plan.num_cached_tokens + plan.num_host_tokens == 16 and plan.num_host_tokens > 0
+    kv.attach(a, prompt, plan)
+    kv.check_invariants()
+    kv.park(a)  # (an aborted turn: nothing computed past the reloaded context)
+    kv.release_program("a")
+    kv.release_program("b")
+    kv.check_invariants()
+    assert kv.host.num_free_blocks == 10 and kv.device.num_free_blocks == 8
 
 
 def test_release_frees_at_once() -> None:

@@ -342,6 +342,15 @@ def test_hintflow_reprices_pins_when_its_nodes_gain_a_host_tier_and_keeps_what_i
     assert type(policy.ttl) is ContinuumTTL and policy.ttl.queue_delay_s == t and policy.ttl.eta == eta
     pins = [h for h in policy.on_event(ToolStarted(P, "s2", "bash", 2.0, 8000)) if isinstance(h, Pin)]
     assert pins and pins[0].ttl_s > 0  # the same pause is worth a pin when the context would be re-prefilled
+    ttl_without_host = pins[0].ttl_s
+    # a host tier that gives nothing back (the node measures it): priced as the re-prefill it is
+    hit = [0.0]
+    policy.set_host_reload(lambda n: 0.001, lambda: hit[0])  # type: ignore[attr-defined]
+    pins = [h for h in policy.on_event(ToolStarted(P, "s3", "bash", 3.0, 8000)) if isinstance(h, Pin)]
+    assert pins and pins[0].ttl_s == pytest.approx(ttl_without_host, rel=0.05)
+    hit[0] = 1.0  # read at each decision: once the tier gives everything back, no pin pays again
+    pins = [h for h in policy.on_event(ToolStarted(P, "s4", "bash", 4.0, 8000)) if isinstance(h, Pin)]
+    assert [p.ttl_s for p in pins] in ([], [0.0])
 
 
 def test_min_change_s_bounds_how_often_a_memoryless_prediction_is_re_sent() -> None:

@@ -300,3 +300,21 @@ def test_policy_core_imports_no_runtime_or_engine() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_host_hit_share_weighs_tokens_forgets_slowly_and_ignores_device_hits() -> None:
+    from predictors import HostHitShare
+
+    share = HostHitShare()
+    assert share.fraction() == 1.0  # a host tier is taken to work until a miss is seen
+    share.observe(2000, 500, 1500)  # all that left the device came back from the host
+    assert share.fraction() == 1.0
+    share.observe(2000, 2000, 0)  # all on the device: says nothing about the host
+    assert share.num_observed == 1
+    share.observe(1000, 0, 0)  # a small context lost: token-weighted
+    assert share.fraction() == pytest.approx(1500 * 0.98 / (1500 * 0.98 + 1000))
+    for _ in range(300):
+        share.observe(1000, 0, 0)
+    assert share.fraction() < 0.01  # the past fades
+    with pytest.raises(ValueError, match="decay"):
+        HostHitShare(decay=1.0)

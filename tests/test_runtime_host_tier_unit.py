@@ -17,8 +17,13 @@ def test_pins_are_priced_by_the_copy_only_when_every_engine_has_a_host_tier() ->
     rt.note_host_tier("127.0.0.1:2", True)
     reload = policy.host_reload  # type: ignore[attr-defined]
     assert reload is not None and reload(1000) == rt.router.host_reload_s_per_token * 1000
+    # ... and by what the tiers give back, as the nodes measure it (the watch keeps it per node)
+    hit = policy.host_hit_fraction  # type: ignore[attr-defined]
+    assert hit is not None and hit() == 1.0  # no node has said yet: a host tier is taken to work
+    rt._host_hit.update({"127.0.0.1:1": 0.2, "127.0.0.1:2": 0.6})
+    assert hit() == pytest.approx(0.4)
     rt.note_host_tier("127.0.0.1:2", False)  # restarted without one
-    assert policy.host_reload is None  # type: ignore[attr-defined]
+    assert policy.host_reload is None and policy.host_hit_fraction is None  # type: ignore[attr-defined]
 
 
 def test_a_policy_object_passed_in_is_left_as_configured() -> None:

@@ -72,6 +72,9 @@ def default_cfg() -> SchedulerConfig:
 CONFIGS: dict[str, dict[str, Any]] = {
     "bs4": dict(bs=4, pools=((22, 16), (20, 24))),
     "bs16": dict(bs=16, pools=((6, 6), (5, 8))),
+    # vLLM's host connectors: every turn written through to the host, contexts not kept on the device
+    "bs4_write_through": dict(bs=4, pools=((22, 14), (20, 10)),
+                              engine=dict(host_write_through=True, retain_contexts=False)),
     "bs3_deadline_pins": dict(
         bs=3,
         pools=((24, 12), (26, 20)),

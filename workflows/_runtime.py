@@ -192,6 +192,7 @@ class HintRuntime:
         # engine -> whether its last CacheState showed a host tier; a policy built here by name learns
         # from it how a lost context comes back (a policy object passed in is left as configured)
         self._host_tier: dict[str, bool] = {}
+        self._host_hit: dict[str, float] = {}  # address -> its CacheState.host_hit_fraction
         self._auto_host_reload = isinstance(policy, str)
         # engine -> its device pool in tokens (from CacheState); a policy built here by name prices pins by
         # the share of the smallest pool they hold (``ContinuumTTL``'s memory share)
@@ -305,6 +306,7 @@ class HintRuntime:
                 async for state in client.watch_cache_state(self.watch_interval_s, include_sessions=True):
                     health.ok()
                     self.router.update(addr, state, time.monotonic())
+                    self._host_hit[addr] = state.host_hit_fraction
                     self.note_host_tier(addr, state.host_total_blocks > 0)
                     self._pool_tokens[addr] = float(state.total_blocks * state.block_size)
                     backoff_s = 0.1
@@ -336,7 +338,15 @@ class HintRuntime:
             # so that a torch node's measured cost, once it has copied anything, takes over the default
             return n * max(router.host_reload_s(a) for a in engines)
 
-        set_host_reload(copy_back_s if every else None)
+        hit = self._host_hit
+
+        def host_hit_fraction() -> float:
+            # the share of evicted contexts the nodes' host tiers gave back, as each node measures it
+            # (CacheState.host_hit_fraction), averaged over the nodes heard from
+            shares = [hit[a] for a in engines if a in hit]
+            return sum(shares) / len(shares) if shares else 1.0
+
+        set_host_reload(copy_back_s if every else None, host_hit_fraction if every else None)
         logger.info("host tier on every engine: %s; pins priced by %s", every, "the copy back" if every else "re-prefill")
 
     async def _tick_loop(self) -> None:

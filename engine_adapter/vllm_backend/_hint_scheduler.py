@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import TypeAdapter, ValidationError
 
 from hints import OptionalProgramId, SessionId
+from predictors import HostHitShare
 
 from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, CLASS_SCALE, PRIORITY_SCALE, QueueRules
@@ -150,6 +151,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             float(os.environ.get("HINTFLOW_HOST_RELOAD_S_PER_TOKEN", str(HOST_RELOAD_S_PER_TOKEN)))
             if self.host_tier is not None else 0.0
         )
+        # What the host tier gives back of evicted contexts: prices this node's inferred pins and, through
+        # CacheState, the orchestrator's
+        self.host_hits = HostHitShare()
         self.infer: HintInference | None = None
         if infer_enabled():
             env = os.environ.get
@@ -164,6 +168,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 pool_tokens=(lambda: float(self.book.num_blocks * self.block_size))
                 if env("HINTFLOW_INFER_MEMORY_SHARE", "1").strip().lower() not in {"0", "false", "no", "off"}
                 else None,
+                host_hits=self.host_hits,
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self._next_log_s = 0.0
@@ -316,8 +321,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 if req is not None:  # hits: the prefix lookup, before this step's tokens are added
                     host = self.host_tier.step_loaded_tokens.get(new.req_id, 0) if self.host_tier else 0
                     history = self.accounting.on_scheduled(req, new.num_computed_tokens, s, host)
-                    if history and self.infer is not None and self.host_tier is not None:
-                        self.infer.observe_host_reload(history, new.num_computed_tokens - host, host)
+                    if history and self.host_tier is not None:
+                        self.host_hits.observe(history, new.num_computed_tokens - host, host)
                 if s is None:
                     continue
                 if req is not None and req.num_preemptions:  # resumed (the V2 model runner lists it as new)

@@ -15,9 +15,10 @@ enough to act as Continuum does, with no other process:
   queueing delay of turns whose context was not kept (Continuum's T). Continuum's T starts at 0, so no
   pin pays until evicted turns have queued; here T is at least the engine's current prefill backlog
   times the measured seconds per token (the wait a turn arriving now would see), so pins start as soon
-  as a queue forms (:class:`_BacklogTTL`). With a host tier a lost context is priced by what the tier
-  actually gives back (:class:`_BacklogHostTTL`): the copy for the share of evicted contexts' tokens
-  returning turns found on the host, the re-prefill and T for the rest;
+  as a queue forms (``ContinuumTTL``'s ``queue_delay_floor_s``). With a host tier a lost context is
+  priced by what the tier actually gives back (:class:`HostTierTTL` with ``HostHitShare``): the copy for
+  the share of evicted contexts' tokens returning turns found on the host, the re-prefill and T for the
+  rest;
 - **program FCFS**: a program's requests are dated by when the engine first saw the program;
 - **release** (of the whole program): at the end of a turn flagged ``is_last_turn``, or once every session
   of the program has stayed silent for :data:`SILENT_FACTOR` times its own lease (at least
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from predictors import ContinuumTTL, HostTierTTL, PauseModel
+from predictors import ContinuumTTL, HostHitShare, HostTierTTL, PauseModel
 
 from ._sessions import SessionBook, VSession
 
@@ -47,40 +48,6 @@ SILENT_FACTOR = 4.0
 SILENT_MIN_S = 30.0
 """...but never sooner than this: a short lease says little about how long a tool may take."""
 UNKNOWN_TOOL = "unknown"
-
-
-HOST_DECAY = 0.98
-"""Weight of the past in ``host_hit_fraction`` per returning turn whose context had left the device."""
-
-
-class _BacklogHostTTL(HostTierTTL):
-    """``HostTierTTL`` whose recomputed part waits at least behind the engine's prefill backlog (as
-    ``_BacklogTTL``'s T): the host tier gives back what it kept, the rest queues like any re-prefill."""
-
-    def __init__(self, *args: Any, floor_s: Callable[[], float] = lambda: 0.0, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.floor_s = floor_s
-
-    def miss_queue_delay_s(self) -> float:
-        return max(super().miss_queue_delay_s(), self.floor_s())
-
-
-class _BacklogTTL(ContinuumTTL):
-    """Continuum's rule with T = max(measured mean queueing delay of evicted turns, ``floor_s()``).
-
-    Why: Continuum's T is 0 until evicted turns have been observed queueing, so under a sudden load no
-    pin pays for itself exactly when pins matter most. The floor is a prior from this engine's own
-    measurements: the prefill backlog (waiting and running prompt tokens) times the measured seconds per
-    token, i.e. how long a re-prefilled turn arriving now would queue behind work already here.
-    """
-
-    def __init__(self, *args: Any, floor_s: Callable[[], float] = lambda: 0.0, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.floor_s = floor_s
-
-    @property
-    def queue_delay_s(self) -> float:
-        return max(super().queue_delay_s, self.floor_s())
 
 
 def infer_enabled() -> bool:
@@ -130,6 +97,7 @@ class HintInference:
         backlog_tokens: Callable[[], int] | None = None,
         host_reload_s_per_token: float | None = None,
         pool_tokens: Callable[[], float] | None = None,
+        host_hits: HostHitShare | None = None,
     ) -> None:
         """``reload_s_per_token`` fixes the re-prefill cost (a profile, as Continuum's fit) instead of
         measuring it; ``silent_min_s`` is the least silence after which a program is released;
@@ -137,24 +105,28 @@ class HintInference:
         ``host_reload_s_per_token``: the node has a host tier, and a context not pinned is copied back at
         this cost per token (pins are priced by it alone and without T, ``HostTierTTL``).
         ``pool_tokens()``: the device pool in tokens; pins are then priced by the share of it they hold
-        (``ContinuumTTL``'s memory share, as the orchestrator's ``hintflow`` policy prices them)."""
+        (``ContinuumTTL``'s memory share, as the orchestrator's ``hintflow`` policy prices them).
+        ``host_hits``: the node's measure of what its host tier gives back (the scheduler's, which it also
+        reports in ``CacheState``); a fresh one fed by ``observe_host_reload`` if not given."""
         self.book = book
         self.clock = clock or book.clock
         self.defer_s = defer_s
         self.pauses = PauseModel(min_samples=min_samples, default_mean_s=default_pause_s)
         self.backlog_tokens = backlog_tokens
         self.rule: ContinuumTTL
-        # What came back of evicted contexts from the host tier, token-weighted with decay (observe_host_reload)
-        self._host_got = 0.0
-        self._host_needed = 0.0
+        # What came back of evicted contexts from the host tier (observe_host_reload)
+        self.host_hits = host_hits if host_hits is not None else HostHitShare()
         if host_reload_s_per_token is not None:
             host_s = host_reload_s_per_token
-            self.rule = _BacklogHostTTL(
+            self.rule = HostTierTTL(
                 self.pauses, lambda tokens: host_s * tokens, miss_reload=self.prefill_reload_s,
-                host_hit_fraction=self.host_hit_fraction, pool_tokens=pool_tokens, floor_s=self.backlog_s,
+                host_hit_fraction=self.host_hit_fraction, pool_tokens=pool_tokens,
+                queue_delay_floor_s=self.backlog_s,
             )  # fmt: skip
         else:
-            self.rule = _BacklogTTL(self.pauses, self.prefill_reload_s, floor_s=self.backlog_s, pool_tokens=pool_tokens)
+            # T at least the wait behind the prefill backlog: a prior from this engine's own measurements
+            self.rule = ContinuumTTL(self.pauses, self.prefill_reload_s, pool_tokens=pool_tokens,
+                                     queue_delay_floor_s=self.backlog_s)
         self.programs: dict[str, _Program] = {}
         self.explicit_s: dict[str, float] = {}  # session id -> when it last got a hint over PushHints
         self.s_per_token = reload_s_per_token or 1e-4  # re-prefill cost, refined from this engine's steps
@@ -176,16 +148,12 @@ class HintInference:
     def observe_host_reload(self, history_tokens: int, device_hit_tokens: int, host_hit_tokens: int) -> None:
         """A returning turn was admitted: of its ``history_tokens`` (what its session's last turn had), the
         part not found on the device was or was not loaded from the host tier. Feeds ``host_hit_fraction``."""
-        missing = history_tokens - min(max(device_hit_tokens, 0), history_tokens)
-        if missing <= 0:
-            return
-        self._host_got = HOST_DECAY * self._host_got + min(max(host_hit_tokens, 0), missing)
-        self._host_needed = HOST_DECAY * self._host_needed + missing
+        self.host_hits.observe(history_tokens, device_hit_tokens, host_hit_tokens)
 
     def host_hit_fraction(self) -> float:
         """The share of evicted contexts' tokens the host tier gave back lately (1 before any was seen:
         a host tier is assumed to work until it is seen not to)."""
-        return self._host_got / self._host_needed if self._host_needed > 0 else 1.0
+        return self.host_hits.fraction()
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A model step of ``tokens`` took ``seconds``: prefill-sized steps refine the reload cost (EWMA)."""
