@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from hints import CacheState, HintDecodeError, HintModel, HintResult, SessionResidency
+from hints import CacheState, HintDecodeError, HintModel, HintResult, SessionResidency, new_node_epoch
 
 from ._context_transfer import ContextData, export_context, import_context
 from ._engine_errors import EngineError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -68,6 +68,7 @@ class EngineCore:
         self.executor = executor
         self.clock: Clock = clock or MonotonicClock()
         self.node_id = node_id or f"node-{uuid.uuid4().hex[:8]}"
+        self.node_epoch = new_node_epoch()  # this life of the node (hints for an earlier one are refused)
         self.model_name = model_name
         self.block_size = executor.layout.block_size
         self.kv = KVCacheManager(
@@ -332,6 +333,7 @@ class EngineCore:
                 # an executor that does not say (a third-party one) leaves the router's default
                 host_reload_s_per_token=float(getattr(self.executor, "host_reload_s_per_token", 0.0)),
                 host_hit_fraction=kv.host_hits.fraction() if kv.host.num_blocks else 0.0,
+                node_epoch=self.node_epoch,
             )
 
     # ---- moving contexts between nodes (_context_transfer) -------------------------------------

@@ -40,6 +40,7 @@ from hints import (
     cache_state_to_proto,
     engine_pb2,
     engine_pb2_grpc,
+    stale_batch_results,
 )
 
 from ._engine import ContextData, EngineCore, EngineError, InvalidArgument
@@ -192,15 +193,17 @@ class EngineNodeServicer(engine_pb2_grpc.EngineNodeServicer):
         """Decode leniently and apply; even an engine bug answers this batch rather than ending the stream."""
         try:
             decoded = batch_from_proto_lenient(batch)
-            results = self.core.apply_hints(decoded.hints)
+            epoch = self.core.node_epoch
+            stale = stale_batch_results(decoded.node_epoch, epoch, len(decoded.hints))
+            results = stale if stale is not None else self.core.apply_hints(decoded.hints)
             if self.metrics is not None:
                 self.metrics.observe_hint_delivery(decoded.sent_unix_s)
-            return ack_to_proto(HintAck(batch_id=decoded.batch_id, results=results))
+            return ack_to_proto(HintAck(batch_id=decoded.batch_id, results=results, node_epoch=epoch))
         except Exception as e:
             log.exception("applying hint batch %d failed", batch.batch_id)
             msg = f"{type(e).__name__}: {e}"[:4000]
             results = [HintResult(index=i, code="INTERNAL", message=msg) for i in range(len(batch.hints))]
-            return ack_to_proto(HintAck(batch_id=batch.batch_id, results=results))
+            return ack_to_proto(HintAck(batch_id=batch.batch_id, results=results, node_epoch=self.core.node_epoch))
 
     async def WatchCacheState(
         self, request: engine_pb2.WatchCacheStateRequest, context: grpc.aio.ServicerContext

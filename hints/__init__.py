@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         hint_from_proto,
         hint_to_proto,
     )
+    from hints._epoch import new_node_epoch, stale_batch_results
     from hints._models import (
         MAX_HORIZON_S,
         MAX_PIN_TTL_S,
@@ -95,12 +96,15 @@ __all__ = [
     "engine_pb2_grpc",
     "hint_from_proto",
     "hint_to_proto",
+    "new_node_epoch",
     "parse_engine",
+    "stale_batch_results",
 ]
 
 _MODULES = frozenset({"engine_pb2", "engine_pb2_grpc"})
 _CLIENT = frozenset({"EngineClient", "GenerateChunk", "GenerateResult"})
 _NODES = frozenset({"EngineSpec", "parse_engine"})
+_EPOCH = frozenset({"new_node_epoch", "stale_batch_results"})
 _VLLM = frozenset({"VllmClient", "VllmError", "VllmFailed", "VllmRejected", "VllmUnreachable"})
 _CONVERT = frozenset(
     {
@@ -131,6 +135,7 @@ def __getattr__(name: str) -> Any:
             else "._nodes" if name in _NODES
             else "._vllm_client" if name in _VLLM
             else "._convert" if name in _CONVERT
+            else "._epoch" if name in _EPOCH
             else "._models"
         )  # fmt: skip
         value = getattr(importlib.import_module(source, __name__), name)

@@ -143,12 +143,14 @@ class EngineClient:
         return out
 
     # ---- hints ---------------------------------------------------------------------------------
-    async def push_hints(self, hints: Sequence[Hint], batch_id: int | None = None) -> HintAck:
-        """Send one batch over the persistent stream and wait for its ack."""
+    async def push_hints(self, hints: Sequence[Hint], batch_id: int | None = None, node_epoch: int = 0) -> HintAck:
+        """Send one batch over the persistent stream and wait for its ack; ``node_epoch``: the node life the
+        hints are meant for (0: any; a node of another epoch applies none of them)."""
         batch = HintBatch(
             batch_id=next(self._batch_ids) if batch_id is None else batch_id,
             hints=list(hints),
             sent_unix_s=time.time(),
+            node_epoch=node_epoch,
         )
         return await self.push_batch_proto(batch_to_proto(batch))
 

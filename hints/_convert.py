@@ -68,6 +68,7 @@ class DecodedBatch(NamedTuple):
     batch_id: int
     hints: list[Hint | HintDecodeError]
     sent_unix_s: float
+    node_epoch: int = 0  # the node life the batch is meant for (0: any)
 
 
 def _one_line(err: ValidationError) -> str:
@@ -145,6 +146,7 @@ def batch_to_proto(batch: HintBatch) -> engine_pb2.HintBatch:
         batch_id=batch.batch_id,
         hints=[hint_to_proto(h) for h in batch.hints],
         sent_unix_s=batch.sent_unix_s,
+        node_epoch=batch.node_epoch,
     )
 
 
@@ -164,7 +166,7 @@ def batch_from_proto_lenient(pb: engine_pb2.HintBatch) -> DecodedBatch:
             hints.append(exc)
     sent = pb.sent_unix_s
     sent_unix_s = sent if math.isfinite(sent) and sent >= 0.0 else 0.0
-    return DecodedBatch(batch_id=pb.batch_id, hints=hints, sent_unix_s=sent_unix_s)
+    return DecodedBatch(batch_id=pb.batch_id, hints=hints, sent_unix_s=sent_unix_s, node_epoch=pb.node_epoch)
 
 
 def batch_from_proto(pb: engine_pb2.HintBatch) -> HintBatch:
@@ -178,7 +180,7 @@ def batch_from_proto(pb: engine_pb2.HintBatch) -> HintBatch:
         )
     good = [h for h in decoded.hints if not isinstance(h, HintDecodeError)]
     try:
-        return HintBatch(batch_id=pb.batch_id, hints=good, sent_unix_s=pb.sent_unix_s)
+        return HintBatch(batch_id=pb.batch_id, hints=good, sent_unix_s=pb.sent_unix_s, node_epoch=pb.node_epoch)
     except ValidationError as exc:
         raise HintDecodeError(f"invalid HintBatch: {_one_line(exc)}") from exc
 

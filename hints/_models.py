@@ -185,6 +185,9 @@ class HintBatch(_Frozen):
     hints: list[Hint]
     sent_unix_s: Seconds = 0.0
     """Sender's wall clock, used only for the delivery-latency metric (0: not given)."""
+    node_epoch: Annotated[int, Field(ge=0, le=_UINT64_MAX)] = 0
+    """The node life these hints are meant for (``CacheState.node_epoch``); 0: any. A node of another
+    epoch (restarted since) applies none of them (:func:`stale_batch_results`)."""
 
 
 # --- replies (engine -> orchestrator) ---------------------------------------------------------------
@@ -211,6 +214,7 @@ class HintAck(_Frozen):
 
     batch_id: Annotated[int, Field(ge=0, le=_UINT64_MAX)]
     results: list[HintResult]
+    node_epoch: Annotated[int, Field(ge=0, le=_UINT64_MAX)] = 0  # the answering node's (0: not said)
 
 
 class SessionResidency(_Frozen):
@@ -247,6 +251,9 @@ class CacheState(_Frozen):
     # the share of evicted contexts' tokens that the host tier gave back lately (predictors.HostHitShare);
     # 0 without a host tier: pins on it are priced as a copy back for this share, a re-prefill for the rest
     host_hit_fraction: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
+    # this node process's life (a random nonzero id drawn at start; 0: a node that does not say): a new
+    # epoch is a restart, an empty node
+    node_epoch: Annotated[int, Field(ge=0, le=_UINT64_MAX)] = 0
 
     @property
     def kv_utilization(self) -> float:

@@ -335,9 +335,14 @@ class HintBatch(_message.Message):
     BATCH_ID_FIELD_NUMBER: _builtins.int
     HINTS_FIELD_NUMBER: _builtins.int
     SENT_UNIX_S_FIELD_NUMBER: _builtins.int
+    NODE_EPOCH_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.int
     sent_unix_s: _builtins.float
     """sender's wall clock, used only for the delivery-latency metric"""
+    node_epoch: _builtins.int
+    """the node life these hints were meant for (CacheState.node_epoch, or a HintAck's); 0: any. A node of
+    another epoch (it restarted since) applies none of them: FAILED_PRECONDITION for each
+    """
     @_builtins.property
     def hints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hint]: ...
     def __init__(
@@ -346,10 +351,11 @@ class HintBatch(_message.Message):
         batch_id: _builtins.int = ...,
         hints: _abc.Iterable[Global___Hint] | None = ...,
         sent_unix_s: _builtins.float = ...,
+        node_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "hints", b"hints", "sent_unix_s", b"sent_unix_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "hints", b"hints", "node_epoch", b"node_epoch", "sent_unix_s", b"sent_unix_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -400,7 +406,10 @@ class HintAck(_message.Message):
 
     BATCH_ID_FIELD_NUMBER: _builtins.int
     RESULTS_FIELD_NUMBER: _builtins.int
+    NODE_EPOCH_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.int
+    node_epoch: _builtins.int
+    """the answering node's epoch (see CacheState.node_epoch)"""
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___HintResult]: ...
     def __init__(
@@ -408,10 +417,11 @@ class HintAck(_message.Message):
         *,
         batch_id: _builtins.int = ...,
         results: _abc.Iterable[Global___HintResult] | None = ...,
+        node_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "node_epoch", b"node_epoch", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -495,6 +505,7 @@ class CacheState(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     HOST_RELOAD_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     HOST_HIT_FRACTION_FIELD_NUMBER: _builtins.int
+    NODE_EPOCH_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model_name: _builtins.str
     block_size: _builtins.int
@@ -517,6 +528,10 @@ class CacheState(_message.Message):
     (predictors.HostHitShare: 1 until a miss is seen); pins are priced as a copy back for that share and
     as a re-prefill for the rest. 0 without a host tier (and from a node that does not report it)
     """
+    node_epoch: _builtins.int
+    """this node process's life: a random nonzero id drawn at start, so a restarted node (empty) is told
+    apart from the one before it, and hints meant for the earlier life are refused (HintBatch.node_epoch)
+    """
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionResidency]: ...
     def __init__(
@@ -538,10 +553,11 @@ class CacheState(_message.Message):
         version: _builtins.int = ...,
         host_reload_s_per_token: _builtins.float = ...,
         host_hit_fraction: _builtins.float = ...,
+        node_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_fraction", b"host_hit_fraction", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_fraction", b"host_hit_fraction", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_epoch", b"node_epoch", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -121,13 +121,18 @@ class Router:
         self._session_ctx: dict[str, tuple[str, int, int]] = {}
 
     def update(self, address: str, state: CacheState, now_s: float) -> None:
-        """Take a node's latest state; a restart (new node_id, or version going back) forgets its prefixes
-        and pending turns, and a later version drops the pending turns it is assumed to include."""
+        """Take a node's latest state; a restart (a new node_id or node epoch, or the version going back)
+        forgets its prefixes and pending turns, and a later version drops the pending turns it is assumed
+        to include."""
         if not address:
             raise ValueError("update needs a non-empty node address")
         old = self._nodes.get(address)
         pending: dict[str, _Pending] = {}
-        if old is not None and (state.node_id != old.state.node_id or state.version < old.state.version):
+        if old is not None and (
+            state.node_id != old.state.node_id
+            or state.node_epoch != old.state.node_epoch
+            or state.version < old.state.version
+        ):
             self._forget_prefixes(address)
         elif old is not None:
             pending = {s: p for s, p in old.pending.items() if p.seen_version >= state.version}

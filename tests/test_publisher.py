@@ -174,7 +174,22 @@ async def test_node_down_at_start_then_up_ages_and_expires(caplog: pytest.LogCap
             await node.stop(grace=0.1)
 
 
-async def test_node_restart_delivers_outage_hints_in_order() -> None:
+async def _outage(pub: HintPublisher, reg: CollectorRegistry, address: str) -> None:
+    """Hints published while the node is down: five, the first two one batch (``max_batch=2``)."""
+    pub.publish([Pin(session_id="during-1", ttl_s=0), Pin(session_id="during-2", ttl_s=0)])
+    await _until(lambda: not pub.connected)
+    assert _value(reg, "hintflow_publisher_connected", node=address) == 0
+    pub.publish([Expect(session_id="during-3", output_tokens=5), Pin(session_id="during-4", ttl_s=0)])
+    pub.publish([Release(program_id="during-5")])
+    await asyncio.sleep(0.3)
+    assert not pub.connected and pub.num_pending == 5 and not await pub.flush(0.05)
+
+
+@pytest.mark.parametrize("life", ["same", "new"])
+async def test_node_back_gets_outage_hints_in_order_only_in_the_same_life(life: str) -> None:
+    """A node whose server comes back (the same process: the same epoch) gets what was queued, in order,
+    each once. A node that restarted (a new process: a new epoch, empty) applies none of it: hints meant
+    for its earlier life are refused or dropped, and those published once its new life is known apply."""
     node = await _node("pub-c1")
     address, port = node.address, node.port
     reg, rec = CollectorRegistry(), _Recorder()
@@ -186,24 +201,29 @@ async def test_node_restart_delivers_outage_hints_in_order() -> None:
         pub.start()
         pub.publish([Pin(session_id="before", ttl_s=0)])
         assert await pub.flush(5.0) and pub.connected
-        core = await asyncio.to_thread(_core, "pub-c2")
+        assert pub.node_epoch == node.core.node_epoch != 0
+        core = node.core if life == "same" else await asyncio.to_thread(_core, "pub-c2")
         await node.stop(grace=0)
-
-        pub.publish([Pin(session_id="during-1", ttl_s=0), Pin(session_id="during-2", ttl_s=0)])
-        await _until(lambda: not pub.connected)
-        assert _value(reg, "hintflow_publisher_connected", node=address) == 0
-        pub.publish([Expect(session_id="during-3", output_tokens=5), Pin(session_id="during-4", ttl_s=0)])
-        pub.publish([Release(program_id="during-5")])
-        await asyncio.sleep(0.3)
-        assert not pub.connected and pub.num_pending == 5 and not await pub.flush(0.05)
+        await _outage(pub, reg, address)
 
         restarted = await start_node(core, "127.0.0.1", port, metrics_port=None)
         assert await pub.flush(5.0)
         assert pub.connected and _value(reg, "hintflow_publisher_connected", node=address) == 1
-        expected = ["before", "during-1", "during-2", "during-3", "during-4", ""]
-        assert rec.sessions() == expected  # in order, each exactly once
-        assert isinstance(rec.delivered[-1][0], Release) and rec.delivered[-1][0].program_id == "during-5"
-        assert pub.num_sent == 6 and pub.num_dropped == 0 and pub.num_failures >= 1
+        if life == "same":
+            expected = ["before", "during-1", "during-2", "during-3", "during-4", ""]
+            assert rec.sessions() == expected  # in order, each exactly once
+            assert isinstance(rec.delivered[-1][0], Release) and rec.delivered[-1][0].program_id == "during-5"
+            assert pub.num_sent == 6 and pub.num_dropped == 0 and pub.num_failures >= 1
+            return
+        # the batch in flight reached the new node, which refused it; the rest was dropped on its ack
+        assert rec.sessions() == ["before", "during-1", "during-2"]
+        # (a pin of a session the node does not hold is NOT_FOUND: applied, to nothing)
+        assert [code for _, code in rec.delivered] == ["NOT_FOUND", "FAILED_PRECONDITION", "FAILED_PRECONDITION"]
+        assert pub.num_dropped == 3 == _value(reg, "hintflow_hints_dropped_total", node=address, reason="restarted")
+        assert pub.node_epoch == core.node_epoch != node.core.node_epoch
+        pub.publish([Pin(session_id="after", ttl_s=0)])  # for the new life: applied
+        assert await pub.flush(5.0)
+        assert rec.delivered[-1][0].session_id == "after" and rec.delivered[-1][1] == "NOT_FOUND"  # type: ignore[union-attr]
     finally:
         await pub.close()
         await node.stop(grace=0)
@@ -220,7 +240,9 @@ class _FakeClient:
     def __init__(self, address: str) -> None:
         self.address = address
 
-    async def push_hints(self, hints: Sequence[HintModel], batch_id: int | None = None) -> HintAck:
+    async def push_hints(
+        self, hints: Sequence[HintModel], batch_id: int | None = None, node_epoch: int = 0
+    ) -> HintAck:
         if _FakeClient.down:
             raise ConnectionError("node down")
         _FakeClient.received += hints

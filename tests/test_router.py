@@ -27,6 +27,7 @@ def state(
     running: int = 0,
     version: int = 1,
     free_blocks: int = 1000,
+    epoch: int = 0,
 ) -> CacheState:
     return CacheState(
         node_id=node_id,
@@ -42,6 +43,7 @@ def state(
         prefill_backlog_tokens=backlog,
         sessions=list(sessions),
         version=version,
+        node_epoch=epoch,
     )
 
 
@@ -242,14 +244,15 @@ def test_stale_state_still_routes_with_a_note() -> None:
     assert d.notes == ("state of a is 10.0 s old",)
 
 
-@pytest.mark.parametrize("restart", ["version went back", "new node_id"])
+@pytest.mark.parametrize("restart", ["version went back", "new node_id", "new epoch"])
 def test_node_restart_forgets_prefix_affinity(restart: str) -> None:
     router = warm_prefix_router(4000)
     req = RouteRequest("s", "p", context_tokens=4100, prefix_key="sys", prefix_tokens=4000)
     d = router.choose(req, now_s=0.0)
     assert (d.address, d.warm_tokens) == ("a", 4000)
     router.started("a", req)
-    new_state = state("na", version=1) if restart == "version went back" else state("na-2", version=5)
+    new_state = {"version went back": state("na", version=1), "new node_id": state("na-2", version=5),
+                 "new epoch": state("na", version=5, epoch=9)}[restart]  # fmt: skip
     router.update("a", new_state, now_s=0.0)
     d = router.choose(req, now_s=0.0)
     assert d.warm_tokens == 0 and d.expected_s["a"] == d.expected_s["b"]  # also no pending left on a

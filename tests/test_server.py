@@ -140,6 +140,20 @@ async def test_push_hints_codes_and_stream_survives(client: EngineClient) -> Non
     assert (await client.get_cache_state()).pinned_blocks == 0
 
 
+async def test_hints_meant_for_an_earlier_life_of_the_node_are_refused(node: RunningNode, client: EngineClient) -> None:
+    """A batch stamped with another node epoch (the node restarted since it was made) applies nothing."""
+    epoch = node.core.node_epoch
+    state = await client.get_cache_state()
+    assert state.node_epoch == epoch != 0
+    await client.generate(_prompt(6, 40), 2, session_id="epoch")
+    ack = await client.push_hints([Pin(session_id="epoch", ttl_s=60)] * 2, node_epoch=epoch + 1)
+    assert [r.code for r in ack.results] == ["FAILED_PRECONDITION"] * 2 and "restarted" in ack.results[0].message
+    assert ack.node_epoch == epoch and (await client.get_cache_state()).pinned_blocks == 0
+    for stamp in (epoch, 0):  # its own life, or any
+        ack = await client.push_hints([Pin(session_id="epoch", ttl_s=0)], node_epoch=stamp)
+        assert ack.results[0].code == "OK"
+
+
 @pytest.mark.parametrize(
     "prompt",
     [[1, 2, MODEL["vocab_size"]], [], _prompt(5, MODEL["max_model_len"] + 10)],

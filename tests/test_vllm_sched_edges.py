@@ -259,6 +259,16 @@ def _bad_ids(model: str) -> dict[str, Any]:
         out["with_bad_session"] = [s.session_id for s in svc.GetCacheState(ask, None).sessions]
     except Exception as e:
         out["with_bad_session"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
+    # hints meant for an earlier life of the node (it restarted since) are refused, none applied
+    from hints import HintBatch, Pin, ack_from_proto, batch_to_proto
+
+    pin = [Pin(session_id="ok-session", ttl_s=30)]
+    state = svc.GetCacheState(ask, None)
+    out["epochs"] = [state.node_epoch, sched.node_epoch]
+    stale = ack_from_proto(svc._apply_batch(batch_to_proto(HintBatch(batch_id=1, hints=pin, node_epoch=7))))
+    out["stale"] = [[r.code for r in stale.results], stale.node_epoch, bool(sched.book.sessions["ok-session"].held)]
+    fresh = batch_to_proto(HintBatch(batch_id=2, hints=pin, node_epoch=sched.node_epoch))
+    out["fresh"] = [r.code for r in ack_from_proto(svc._apply_batch(fresh)).results]
     return out
 
 
@@ -407,6 +417,14 @@ def test_ids_the_protocol_cannot_carry_never_break_the_cache_state(report: dict[
     assert r["sessions_in_book"] == ["ok-session"]  # the others are vLLM's own requests
     assert r["get_cache_state"] == ["ok-session"]  # before: a ValidationError for the whole node
     assert r["with_bad_session"] == ["ok-session"]
+
+
+def test_a_hint_batch_for_an_earlier_life_of_the_node_is_refused(report: dict[str, Any]) -> None:
+    r = report["bad_ids"]
+    epoch = r["epochs"][1]
+    assert r["epochs"][0] == epoch != 0  # reported in CacheState
+    assert r["stale"] == [["FAILED_PRECONDITION"], epoch, False]  # refused, the pin not applied
+    assert r["fresh"] == ["OK"]
 
 
 def test_one_steps_host_saves_use_distinct_slots_and_a_chain_loses_its_tail_first(

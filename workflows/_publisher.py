@@ -128,6 +128,7 @@ class _Item:
     seq: int
     hint: HintModel  # as published; aged afresh at every send
     enqueued_s: float  # time.monotonic()
+    node_epoch: int = 0  # the node's life when it was published (0: not known yet: any)
 
 
 def _aged(hint: HintModel, w: float) -> HintModel | None:
@@ -188,6 +189,9 @@ class HintPublisher:
         self._closed = self._connected = self._warned_full = False
         self.health = StreamHealth(f"hint stream to {address}")
         self.num_sent = self.num_acked_ok = self.num_failures = self.num_dropped = 0
+        # The node's life as last heard (an ack, or the runtime's cache-state watch); 0: not yet. Hints are
+        # stamped with it, and those stamped with an earlier life are dropped once a new one is heard of.
+        self.node_epoch = 0
 
     @property
     def connected(self) -> bool:
@@ -218,7 +222,7 @@ class HintPublisher:
         now = time.monotonic()
         for hint in hints:
             self._seq += 1
-            self._queue.append(_Item(self._seq, hint, now))
+            self._queue.append(_Item(self._seq, hint, now, self.node_epoch))
         self._enforce_bound()
         self._wakeup.set()
 
@@ -244,6 +248,21 @@ class HintPublisher:
                 await task
         await self._drop_client()
         self._set_connected(False)
+
+    def note_node_epoch(self, epoch: int) -> None:
+        """The node is (now) in life ``epoch``: hints queued for an earlier life are dropped (the node came
+        back empty: its sessions are gone), the rest and later ones are stamped with it."""
+        if epoch == 0 or epoch == self.node_epoch:
+            return
+        earlier, self.node_epoch = self.node_epoch, epoch
+        if earlier == 0:
+            return
+        stale = [i.hint for i in self._queue if i.node_epoch not in (0, epoch)]
+        if stale:
+            self._queue = deque(i for i in self._queue if i.node_epoch in (0, epoch))
+            log.info("node %s restarted (epoch %d -> %d): %d queued hints for its earlier life dropped",
+                     self.address, earlier, epoch, len(stale))
+            self._drop(stale, "restarted")
 
     def _oldest_pending_seq(self) -> int:
         if self._inflight:
@@ -279,12 +298,14 @@ class HintPublisher:
                 await client.close()
 
     def _take_batch(self) -> tuple[list[_Item], list[HintModel]]:
-        """Move up to ``max_batch`` hints to the in-flight batch, aged to now; lapsed pins are dropped."""
+        """Move up to ``max_batch`` hints of one node epoch to the in-flight batch, aged to now; lapsed pins
+        are dropped."""
         now = time.monotonic()
         items: list[_Item] = []
         hints: list[HintModel] = []
         expired: list[HintModel] = []
-        while self._queue and len(items) < self.max_batch:
+        epoch = self._queue[0].node_epoch if self._queue else 0
+        while self._queue and len(items) < self.max_batch and self._queue[0].node_epoch == epoch:
             item = self._queue.popleft()
             hint = _aged(item.hint, now - item.enqueued_s)
             if hint is None:
@@ -326,7 +347,8 @@ class HintPublisher:
             try:
                 if self._client is None:
                     self._client = self._client_factory(self.address)
-                ack = await asyncio.wait_for(self._client.push_hints(hints), self.ack_timeout_s)
+                epoch = items[0].node_epoch
+                ack = await asyncio.wait_for(self._client.push_hints(hints, node_epoch=epoch), self.ack_timeout_s)
             except Exception as e:  # grpc.aio.AioRpcError, ConnectionError, TimeoutError
                 self._queue.extendleft(reversed(items))  # resent in order, aged afresh; may drop the oldest
                 self._inflight = []
@@ -346,3 +368,4 @@ class HintPublisher:
             failed, self._warned_full = 0, False
             self._set_connected(True)
             self._on_acked(items, hints, ack)
+            self.note_node_epoch(ack.node_epoch)

@@ -307,6 +307,9 @@ class HintRuntime:
                     health.ok()
                     self.router.update(addr, state, time.monotonic())
                     self._host_hit[addr] = state.host_hit_fraction
+                    publisher = self.publishers.get(addr)
+                    if publisher is not None:  # a restarted node: hints queued for its earlier life go
+                        publisher.note_node_epoch(state.node_epoch)
                     self.note_host_tier(addr, state.host_total_blocks > 0)
                     self._pool_tokens[addr] = float(state.total_blocks * state.block_size)
                     backoff_s = 0.1

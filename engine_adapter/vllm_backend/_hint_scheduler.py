@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from hints import OptionalProgramId, SessionId
+from hints import OptionalProgramId, SessionId, new_node_epoch
 from predictors import HostHitShare
 
 from ._accounting import RequestAccounting
@@ -133,6 +133,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self._req_start: dict[str, float] = {}  # request -> when it arrived (book clock), for its aging
         self._warned: set[str] = set()  # log-once keys (bad ids, a failed priority mapping)
         self.node_id = os.environ.get("HINTFLOW_NODE_ID", "vllm")
+        self.node_epoch = new_node_epoch()  # this life of the node (hints for an earlier one are refused)
         self.model_name = str(self.vllm_config.model_config.served_model_name)
         self._epoch_s = self.book.clock()
         self._wall_epoch_s = time.time()  # requests' arrival_time is wall time

@@ -42,6 +42,7 @@ from hints import (
     batch_from_proto_lenient,
     cache_state_to_proto,
     engine_pb2_grpc,
+    stale_batch_results,
 )
 
 from ._cache_state import SchedulerStateVersion, serve_watch
@@ -208,19 +209,21 @@ class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
     def _apply_batch(self, batch: Any) -> Any:
         try:
             decoded = batch_from_proto_lenient(batch)
-            results = apply_hints(self.sched, decoded.hints)
+            epoch = self.sched.node_epoch
+            stale = stale_batch_results(decoded.node_epoch, epoch, len(decoded.hints))
+            results = stale if stale is not None else apply_hints(self.sched, decoded.hints)
             self.states.hints_applied()
             self.stats.count(decoded.hints, results)
             if decoded.sent_unix_s > 0:
                 self.stats.observe_delivery(time.time() - decoded.sent_unix_s)
-            return ack_to_proto(HintAck(batch_id=decoded.batch_id, results=results))
+            return ack_to_proto(HintAck(batch_id=decoded.batch_id, results=results, node_epoch=epoch))
         except Exception as e:  # an engine bug still answers the batch rather than ending the stream
             log.exception("applying hint batch %d failed", batch.batch_id)
             results = [
                 HintResult(index=i, code="INTERNAL", message=f"{type(e).__name__}: {e}"[:4000])
                 for i in range(len(batch.hints))
             ]
-            return ack_to_proto(HintAck(batch_id=batch.batch_id, results=results))
+            return ack_to_proto(HintAck(batch_id=batch.batch_id, results=results, node_epoch=self.sched.node_epoch))
 
     def GetCacheState(self, request: Any, context: grpc.ServicerContext) -> Any:
         return cache_state_to_proto(self.states.state(request.include_sessions))
