@@ -8,7 +8,12 @@ One ``HintRuntime`` per worker process.  It owns
   away, so a node that comes back is used again);
 * one ``HintPublisher`` per node (its own ``PushHints`` stream, reconnects, ages queued hints);
 * one client per node for the turns: an ``EngineClient`` (``Generate``) for an embedded node, a
-  ``VllmClient`` (vLLM's OpenAI ``/v1/completions``) for a vLLM node.
+  ``VllmClient`` (vLLM's OpenAI ``/v1/completions``) for a vLLM node.  A call whose node cannot be reached,
+  or breaks off mid-call (its process died), runs again from its start on another node within the same
+  activity attempt (``num_failovers``); the node is out of the router until its cache state comes again.
+
+The gRPC channels to a node each have a connection of their own (``NODE_CHANNEL_OPTIONS``): gRPC's shared
+one per address would reach a node back from an outage only when its own growing backoff ran out.
 
 Nodes are named as ``hints.parse_engine`` reads them: ``HOST:PORT`` for an embedded node, and
 ``vllm+http://HOST:PORT?hints=HOST:PORT`` for a vLLM node, whose hints and cache state go to its hint
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -85,7 +91,7 @@ from orchestrator import (
     get_policy,
 )
 from workflows._api import LLMInput, LLMResult, decode_text
-from workflows._publisher import HintPublisher, StreamHealth, describe_error
+from workflows._publisher import HintPublisher, StreamHealth, describe_error, node_client
 
 __all__ = ["EngineUnavailable", "HintRuntime", "InvalidPrompt", "ProgramStats", "turn_client"]
 
@@ -101,7 +107,7 @@ _ENDED = frozenset({"completed", "failed", "cancelled"})  # the workflow said so
 def turn_client(spec: str | EngineSpec) -> EngineClient | VllmClient:
     """The client that runs turns on ``spec``'s node: ``Generate`` over gRPC, or vLLM's OpenAI HTTP API."""
     spec = parse_engine(spec)
-    return VllmClient(spec.http_base, spec.model) if spec.is_vllm else EngineClient(spec.hint_address)
+    return VllmClient(spec.http_base, spec.model) if spec.is_vllm else node_client(spec.hint_address)
 
 
 class EngineUnavailable(RuntimeError):
@@ -139,6 +145,7 @@ class _SessionInfo:
     node: str | None = None
     context_tokens: int = 0
     pin_deadline_s: float | None = None  # monotonic, while a pin we placed is live
+    pin_node: tuple[str, int] | None = None  # (address, node epoch) of the node that acked that pin
     tool: str | None = None  # the pause in progress (tool started, next turn not yet)
     tool_started_s: float = 0.0
     tool_done: bool = False  # its activity returned; the context waits for the next turn
@@ -216,8 +223,12 @@ class HintRuntime:
         self.sessions: dict[str, _SessionInfo] = {}
         self.events: deque[Any] = deque(maxlen=MAX_EVENTS)  # recent events fed to the policy
         # per session, per turn: was a pin we placed still live when the turn started ("held"), had it
-        # lapsed ("expired"), or was there none ("none")
+        # lapsed, or gone with a node that died or restarted since ("expired"), or was there none ("none")
         self.pin_outcomes: dict[str, list[str]] = {}
+        self._node_epoch: dict[str, int] = {}  # address -> the node life its cache-state stream last showed
+        # Model calls run again on another node because the chosen one could not be reached or broke off
+        # mid-call (its process died): each is one failover, within the same activity attempt.
+        self.num_failovers = 0
         self._pin_deadline_at_send: dict[tuple[str, str], float] = {}  # (session, reason): two pins may be in flight
         self._m_hints = Counter(
             "hintflow_hints_emitted_total",
@@ -260,7 +271,10 @@ class HintRuntime:
         self._started = True
         for addr, spec in self.specs.items():
             pub = HintPublisher(
-                spec.hint_address, registry=self.registry, on_ack=self._on_ack, on_drop=self._on_drop
+                spec.hint_address,
+                registry=self.registry,
+                on_ack=functools.partial(self._on_ack, node=addr),
+                on_drop=self._on_drop,
             )
             pub.start()
             self.publishers[addr] = pub
@@ -279,10 +293,14 @@ class HintRuntime:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
-        for pub in self.publishers.values():
+
+        async def flush_and_close(pub: HintPublisher) -> None:
             with contextlib.suppress(Exception):
                 await pub.flush(flush_timeout_s)
             await pub.close()
+
+        # All at once: a node that is down would hold the flush of every node after it for the whole bound.
+        await asyncio.gather(*(flush_and_close(p) for p in self.publishers.values()))
         for c in self.clients.values():
             await c.close()
 
@@ -300,12 +318,13 @@ class HintRuntime:
         backoff_s = 0.1
         health = self.node_health[addr]
         while True:
-            client = EngineClient(self.specs[addr].hint_address)
+            client = node_client(self.specs[addr].hint_address)  # a fresh channel: it connects at once
             error = "the stream ended"
             try:
                 async for state in client.watch_cache_state(self.watch_interval_s, include_sessions=True):
                     health.ok()
                     self.router.update(addr, state, time.monotonic())
+                    self._node_epoch[addr] = state.node_epoch
                     self._host_hit[addr] = state.host_hit_fraction
                     publisher = self.publishers.get(addr)
                     if publisher is not None:  # a restarted node: hints queued for its earlier life go
@@ -481,15 +500,24 @@ class HintRuntime:
         s.in_turn, s.failed_attempt = True, ""
         outcome = "none"
         if s.pin_deadline_s is not None:
-            outcome = "expired" if now > s.pin_deadline_s else "held"
+            outcome = "expired" if now > s.pin_deadline_s or self._pin_lost(s) else "held"
             if outcome == "expired":
                 p.pins_expired += 1
             else:
                 p.pins_held += 1
-            s.pin_deadline_s = None
+            s.pin_deadline_s, s.pin_node = None, None
         self.pin_outcomes.setdefault(session_id, []).append(outcome)
         self._close_pause(s, session_id, now)
         self._feed(TurnStarted(program_id, session_id, now, context_tokens, workflow))
+
+    def _pin_lost(self, s: _SessionInfo) -> bool:
+        """The node that acked the session's pin is down, or has restarted since (a new epoch): the pin
+        went with that life, whatever its lease said."""
+        if s.pin_node is None:
+            return False
+        addr, epoch = s.pin_node
+        health = self.node_health.get(addr)
+        return (health is not None and health.down) or self._node_epoch.get(addr, epoch) != epoch
 
     def turn_ended(self, program_id: str, session_id: str, context_tokens: int | None = None) -> None:
         """A model-call attempt succeeded: one turn."""
@@ -687,7 +715,8 @@ class HintRuntime:
             if deadline is not None and (deadline <= now or reason != "expired"):
                 del self._pin_deadline_at_send[key]
 
-    def _on_ack(self, hints: list[HintModel], ack: HintAck) -> None:
+    def _on_ack(self, hints: list[HintModel], ack: HintAck, node: str | None = None) -> None:
+        """``node``: the address whose publisher got the ack (a pin it placed goes with that node's life)."""
         now = time.monotonic()
         for r in ack.results:
             if r.index >= len(hints):
@@ -700,14 +729,16 @@ class HintRuntime:
             if s is None:
                 continue
             if h.ttl_s == 0.0:
-                s.pin_deadline_s = None
+                s.pin_deadline_s, s.pin_node = None, None
             elif r.ok:
                 self._program(s.program_id).pins_placed += 1
                 s.pin_deadline_s = sent_deadline
+                s.pin_node = (node, ack.node_epoch) if node is not None else None
 
     # ---- model calls --------------------------------------------------------------------------------
     async def generate(self, program_id: str, inp: LLMInput) -> LLMResult:
-        """Route the call, run it on a node; another node is tried when the chosen one is unreachable."""
+        """Route the call, run it on a node; another node is tried when the chosen one is unreachable or its
+        stream breaks mid-call (the call runs again from its start there: a failover)."""
         try:
             req = RouteRequest(
                 inp.session_id, program_id, len(inp.prompt_token_ids), inp.prefix_key, inp.prefix_tokens
@@ -728,6 +759,9 @@ class HintRuntime:
                     unreachable=True,
                 ) from None
             addr = decision.address
+            if tried:  # the call runs again, from its start, on another node
+                self.num_failovers += 1
+                logger.info("session %s: model call failed over to %s (%s)", inp.session_id, addr, last_error)
             s = self._session(inp.session_id, program_id)
             if decision.moved_from is not None and decision.moved_from in self.publishers:
                 # The old copy is stale now: let it go rather than hold a pin on it.
