@@ -262,10 +262,15 @@ class HintPublisher:
         """Stop the sender, close the stream; pending hints are abandoned (flush first). Idempotent."""
         self._closed = True
         task, self._task = self._task, None
-        if task is not None:
+        # Cancel until it is done: a cancellation that lands while gRPC closes a channel can be swallowed
+        # there (the sender then went on retrying, and a close waited forever: seen once in CI); the
+        # sender also stops by itself at its next turn once closed.
+        while task is not None and not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait([task], timeout=1.0)
+        if task is not None and not task.cancelled():
+            with contextlib.suppress(Exception):
+                task.result()
         await self._drop_client()
         self._set_connected(False)
 
@@ -356,7 +361,7 @@ class HintPublisher:
 
     async def _run(self) -> None:
         failed = 0  # consecutive failed pushes: 0 while healthy
-        while True:
+        while not self._closed:
             if not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
