@@ -33,6 +33,18 @@ if TYPE_CHECKING:
         build_engine,
         load_engine_config,
     )
+    from engine_adapter._context_blocks import (
+        ContextHeader,
+    )
+    from engine_adapter._context_export import (
+        ContextExport,
+    )
+    from engine_adapter._context_import import (
+        ContextImport,
+    )
+    from engine_adapter._context_transfer import (
+        ContextData,
+    )
     from engine_adapter._cost_model import (
         CostModel,
         bundled_profiles,
@@ -103,6 +115,10 @@ _LAZY: dict[str, str] = {
     "SchedulerSettings": "engine_adapter._config",
     "build_engine": "engine_adapter._config",
     "load_engine_config": "engine_adapter._config",
+    "ContextHeader": "engine_adapter._context_blocks",
+    "ContextExport": "engine_adapter._context_export",
+    "ContextImport": "engine_adapter._context_import",
+    "ContextData": "engine_adapter._context_transfer",
     "CostModel": "engine_adapter._cost_model",
     "bundled_profiles": "engine_adapter._cost_model",
     "load_cost_model": "engine_adapter._cost_model",
@@ -139,6 +155,10 @@ __all__ = [
     "EVICTION_POLICIES",
     "BlockPool",
     "ConfigError",
+    "ContextData",
+    "ContextExport",
+    "ContextHeader",
+    "ContextImport",
     "CopyOp",
     "CostModel",
     "EngineConfig",

@@ -18,20 +18,28 @@ import itertools
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from hints import CacheState, HintDecodeError, HintModel, HintResult, SessionResidency, new_node_epoch
 
+from ._context_blocks import ContextHeader
+from ._context_export import ContextExport, begin_export, drop_exported
+from ._context_import import ContextImport, begin_import
 from ._context_transfer import ContextData, export_context, import_context
 from ._engine_errors import EngineError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from ._executor import Clock, Executor, MonotonicClock, ScheduledBatch, StepOutput, VirtualClock
 from ._hint_enforcement import apply_hint
 from ._kv_manager import KVCacheManager, SessionState
 from ._scheduler import Request, Scheduler, SchedulerConfig
+from ._session import Session
 
 __all__ = [
     "ContextData",
+    "ContextExport",
+    "ContextHeader",
+    "ContextImport",
     "EngineCore",
     "EngineError",
     "EngineObserver",
@@ -98,6 +106,11 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.step_error: BaseException | None = None
+        # Session -> (its turns, tokens sent) when an export of it last ran to its end: DropContext frees
+        # it only while both still hold (weak: a session freed meanwhile takes its stamp with it).
+        self.exported_contexts: weakref.WeakKeyDictionary[Session, tuple[int, int]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(
@@ -127,6 +140,10 @@ class EngineCore:
                 )
             if s.released:
                 raise FailedPrecondition(f"program {s.program_id!r} was released; start a new session")
+            if s in self.kv.leased:  # (RUNNING with no request: say why)
+                raise FailedPrecondition(
+                    f"session {session_id!r} is being moved; send the turn when the move ends"
+                )
             if s.state is not SessionState.PARKED:
                 # One turn at a time per session: a context continues from the previous turn's end.
                 raise FailedPrecondition(f"session {session_id!r} already has a request {s.state.value}")
@@ -336,7 +353,19 @@ class EngineCore:
                 node_epoch=self.node_epoch,
             )
 
-    # ---- moving contexts between nodes (_context_transfer) -------------------------------------
+    # ---- moving contexts between nodes (_context_export, _context_import, _context_transfer) ---
+    def begin_export(self, session_id: str, chunk_bytes: int | None = None) -> ContextExport:
+        """Lease a parked session and read it out in chunks of at most ``chunk_bytes`` (None: one chunk)."""
+        return begin_export(self, session_id, chunk_bytes)
+
+    def begin_import(self, header: ContextHeader) -> ContextImport:
+        """Check a context's header and reserve its blocks; write its chunks, then commit."""
+        return begin_import(self, header)
+
+    def drop_exported(self, session_id: str, num_tokens: int) -> tuple[bool, str]:
+        """Free an exported session if no turn ran on it since (a move's second phase)."""
+        return drop_exported(self, session_id, num_tokens)
+
     def export_context(self, session_id: str, release_after: bool = False) -> ContextData:
         return export_context(self, session_id, release_after)
 
@@ -347,6 +376,7 @@ class EngineCore:
         with self.lock:
             self.kv.check_invariants()
             running_sessions = {r.session.session_id for r in self.scheduler.running}
-            for s in self.kv.sessions.values():
-                if (s.state is SessionState.RUNNING) != (s.session_id in running_sessions):
+            for s in self.kv.sessions.values():  # (a context move's lease is RUNNING with no request)
+                busy = s.session_id in running_sessions or s in self.kv.leased
+                if (s.state is SessionState.RUNNING) != busy:
                     raise AssertionError(f"session {s.session_id} state {s.state} disagrees with running set")

@@ -4,7 +4,15 @@ The event loop only moves messages; the engine steps in its own thread (``Engine
 cross from that thread to a ``Generate`` stream through ``loop.call_soon_threadsafe`` into an
 ``asyncio.Queue``.  Hints are applied directly on the loop: ``apply_hints`` is a few dictionary updates
 under the engine lock, and applying before acknowledging means an ack already reflects the hint.
-Context export/import copy tensors, so they run in a worker thread.
+
+Context moves are streams, so that neither end ever holds a whole context (one of 100k tokens of an 8B
+model is gigabytes): ``ExportContext`` leases the session and sends a header, then one chunk of whole
+blocks at a time (at most ``chunk_bytes``), each read in a worker thread under the engine's exclusive lock
+just before it is sent; ``ImportContext`` checks the header, reserves every block, writes each chunk as it
+arrives and commits at the end of the stream; ``DropContext`` is a move's second phase at the source.
+Each stream lets go of what it holds in a ``finally`` (the export's lease, the import's reserved blocks)
+when it ends, fails, is cancelled or its peer vanishes, and a peer that stops reading or sending for
+``transfer_stall_s`` ends it too (DEADLINE_EXCEEDED), so no stuck peer holds a session.
 
 Errors: an ``EngineError`` becomes its own status code (``.code`` is the gRPC name); anything else is
 INTERNAL with the exception's message, and the node keeps serving.  A bad hint is answered in its
@@ -20,9 +28,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,7 +51,8 @@ from hints import (
     stale_batch_results,
 )
 
-from ._engine import ContextData, EngineCore, EngineError, InvalidArgument
+from ._context_blocks import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from ._engine import ContextHeader, EngineCore, EngineError, InvalidArgument
 from ._metrics import EngineMetrics
 from ._scheduler import Request
 
@@ -52,7 +61,13 @@ __all__ = ["MAX_MESSAGE_BYTES", "EngineNodeServicer", "RunningNode", "start_node
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-"""Send/receive limit: an exported context of a long session is tens of MiB, far over gRPC's 4 MiB."""
+"""Send/receive limit: a context chunk holds up to 64 MiB of KV, and the header of a context of a million
+tokens about 10 MB of token ids, both over gRPC's 4 MiB."""
+
+TRANSFER_STALL_S = 30.0
+"""A context stream whose peer neither takes nor sends a message for this long is ended (see the docstring)."""
+
+_T = TypeVar("_T")
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineNode"].full_name
 _OPTIONS = [
@@ -125,11 +140,13 @@ class EngineNodeServicer(engine_pb2_grpc.EngineNodeServicer):
         *,
         watch_interval_s: float = 1.0,
         watch_min_period_s: float = 0.05,
+        transfer_stall_s: float = TRANSFER_STALL_S,
     ) -> None:
         self.core = core
         self.metrics = metrics
         self.watch_interval_s = watch_interval_s
         self.watch_min_period_s = watch_min_period_s
+        self.transfer_stall_s = transfer_stall_s
         self._closing = asyncio.Event()
 
     def close(self) -> None:
@@ -237,26 +254,116 @@ class EngineNodeServicer(engine_pb2_grpc.EngineNodeServicer):
 
     async def ExportContext(
         self, request: engine_pb2.ExportContextRequest, context: grpc.aio.ServicerContext
-    ) -> engine_pb2.ContextBlob:
+    ) -> None:
         async with _status(context):
-            data = await asyncio.to_thread(
-                self.core.export_context, request.session_id, request.release_after
+            if request.chunk_bytes < 0:
+                raise InvalidArgument(f"chunk_bytes must be >= 0, got {request.chunk_bytes}")
+            chunk_bytes = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+            export = await _owned(
+                lambda: self.core.begin_export(request.session_id, chunk_bytes), lambda e: e.close()
             )
-            # Same field names on both sides: a field added to one and not the other fails loudly here.
-            return engine_pb2.ContextBlob(**{**vars(data), "shape": list(data.shape)})
-        raise AssertionError("unreachable: _status aborts")
+            try:
+                await self._send(context, engine_pb2.ContextChunk(header=_header_to_proto(export.header)))
+                while (chunk := await asyncio.to_thread(export.read_chunk)) is not None:
+                    data, num_blocks = chunk
+                    await self._send(context, engine_pb2.ContextChunk(kv_data=data, num_blocks=num_blocks))
+            finally:  # the stream ended, failed or was cancelled: the session is free to evict, run or move
+                await _to_the_end(export.close)
 
     async def ImportContext(
-        self, request: engine_pb2.ContextBlob, context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[engine_pb2.ContextChunk], context: grpc.aio.ServicerContext
     ) -> engine_pb2.ImportContextResponse:
         async with _status(context):
-            data = ContextData(**{f.name: getattr(request, f.name) for f in dataclasses.fields(ContextData)})
-            data.token_ids, data.shape = list(data.token_ids), tuple(data.shape)
-            n_tokens, n_blocks = await asyncio.to_thread(self.core.import_context, data)
+            first = await self._receive(context)
+            if first is None or not first.HasField("header"):
+                raise InvalidArgument("the first chunk of ImportContext must carry the context's header")
+            header = _header_from_proto(first.header)
+            imp = await _owned(lambda: self.core.begin_import(header), lambda i: i.abort())
+            try:
+                msg: engine_pb2.ContextChunk | None = first
+                while msg is not None:
+                    if msg is not first and msg.HasField("header"):
+                        raise InvalidArgument("only the first chunk of ImportContext may carry a header")
+                    if msg.kv_data or msg.num_blocks:
+                        await asyncio.to_thread(imp.write_chunk, msg.kv_data, msg.num_blocks)
+                    msg = await self._receive(context)
+                num_tokens, num_blocks, pinned = await asyncio.to_thread(imp.commit)
+            finally:  # no-op once committed; else every reserved block goes back
+                await _to_the_end(imp.abort)
             return engine_pb2.ImportContextResponse(
-                session_id=request.session_id, num_tokens=n_tokens, num_blocks=n_blocks
+                session_id=header.session_id,
+                num_tokens=num_tokens,
+                num_blocks=num_blocks,
+                pinned_blocks=pinned,
             )
         raise AssertionError("unreachable: _status aborts")
+
+    async def DropContext(
+        self, request: engine_pb2.DropContextRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.DropContextResponse:
+        async with _status(context):  # (frees blocks under the lock, as a Release does: on the loop)
+            dropped, reason = self.core.drop_exported(request.session_id, request.num_tokens)
+            return engine_pb2.DropContextResponse(dropped=dropped, reason=reason)
+        raise AssertionError("unreachable: _status aborts")
+
+    async def _send(self, context: grpc.aio.ServicerContext, msg: engine_pb2.ContextChunk) -> None:
+        try:
+            await asyncio.wait_for(context.write(msg), self.transfer_stall_s)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"the reader took no chunk for {self.transfer_stall_s:g} s"
+            )
+
+    async def _receive(self, context: grpc.aio.ServicerContext) -> engine_pb2.ContextChunk | None:
+        """The next chunk, or None at the end of the stream."""
+        try:
+            msg = await asyncio.wait_for(context.read(), self.transfer_stall_s)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"the sender sent no chunk for {self.transfer_stall_s:g} s"
+            )
+        return None if msg is grpc.aio.EOF else msg
+
+
+def _header_to_proto(h: ContextHeader) -> engine_pb2.ContextHeader:
+    # Same field names on both sides: a field added to one and not the other fails loudly here.
+    return engine_pb2.ContextHeader(**{**vars(h), "shape": list(h.shape)})
+
+
+def _header_from_proto(pb: engine_pb2.ContextHeader) -> ContextHeader:
+    fields = {f.name: getattr(pb, f.name) for f in dataclasses.fields(ContextHeader)}
+    return ContextHeader(**{**fields, "token_ids": list(pb.token_ids), "shape": tuple(pb.shape)})
+
+
+async def _owned(begin: Callable[[], _T], end: Callable[[_T], None]) -> _T:
+    """``begin()`` in a worker thread; if the caller is cancelled while it runs, ``end`` what it returns
+    once it has (a lease taken for a stream that is already gone must not be held forever)."""
+    handoff = threading.Lock()
+    abandoned = False
+    done: list[_T] = []
+
+    def run() -> _T:
+        value = begin()
+        with handoff:
+            if not abandoned:
+                done.append(value)
+                return value
+        end(value)
+        return value
+
+    try:
+        return await asyncio.to_thread(run)
+    except asyncio.CancelledError:
+        with handoff:
+            abandoned = True
+        for value in done:  # it finished, but the result never reached us
+            end(value)
+        raise
+
+
+async def _to_the_end(fn: Callable[[], None]) -> None:
+    """Run a cleanup in a worker thread (it may wait for a step); a second cancellation does not stop it."""
+    await asyncio.shield(asyncio.to_thread(fn))
 
 
 def _join(host: str, port: int) -> str:

@@ -117,6 +117,9 @@ class SessionTable:
         # memory-bound steps looked for a waiting victim at every eviction).
         self._maybe_waiting: dict[Session, None] = {}
         self._creation_seq: dict[Session, int] = {}  # order of insertion into ``sessions``
+        # Sessions a context move holds (an export or import stream is open): RUNNING with no request, and
+        # kept off the host tier's eviction heap too, so none of their blocks goes while the stream runs.
+        self.leased: set[Session] = set()
         self._session_seq = itertools.count()
 
     # ---- sessions ----------------------------------------------------------------------------
@@ -142,7 +145,7 @@ class SessionTable:
             self._device_evictable.set(s, self.policy.ref_time(s))
         else:
             self._device_evictable.discard(s)
-        if s.host_block_ids or s.saved_host_ids:
+        if (s.host_block_ids or s.saved_host_ids) and s not in self.leased:
             self._host_holders.set(s, self._host_policy.ref_time(s))
         else:
             self._host_holders.discard(s)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         SessionId,
         SessionResidency,
     )
+    from hints._move import ContextMove, ContextMoveError, move_context
     from hints._nodes import EngineSpec, parse_engine
     from hints._vllm_client import VllmClient, VllmError, VllmFailed, VllmRejected, VllmUnreachable
 
@@ -59,6 +60,8 @@ __all__ = [
     "MAX_PIN_TTL_S",
     "MAX_PROGRAM_AGE_S",
     "CacheState",
+    "ContextMove",
+    "ContextMoveError",
     "DecodedBatch",
     "EngineClient",
     "EngineSpec",
@@ -96,6 +99,7 @@ __all__ = [
     "engine_pb2_grpc",
     "hint_from_proto",
     "hint_to_proto",
+    "move_context",
     "new_node_epoch",
     "parse_engine",
     "stale_batch_results",
@@ -103,6 +107,7 @@ __all__ = [
 
 _MODULES = frozenset({"engine_pb2", "engine_pb2_grpc"})
 _CLIENT = frozenset({"EngineClient", "GenerateChunk", "GenerateResult"})
+_MOVE = frozenset({"ContextMove", "ContextMoveError", "move_context"})
 _NODES = frozenset({"EngineSpec", "parse_engine"})
 _EPOCH = frozenset({"new_node_epoch", "stale_batch_results"})
 _VLLM = frozenset({"VllmClient", "VllmError", "VllmFailed", "VllmRejected", "VllmUnreachable"})
@@ -132,6 +137,7 @@ def __getattr__(name: str) -> Any:
     else:
         source = (
             "._client" if name in _CLIENT
+            else "._move" if name in _MOVE
             else "._nodes" if name in _NODES
             else "._vllm_client" if name in _VLLM
             else "._convert" if name in _CONVERT

@@ -6,7 +6,9 @@ sent one at a time (write, then read its ack) under a lock, so each call gets th
 A broken stream is dropped and reopened by the next call; the failing call raises.
 
 Errors are ``grpc.aio.AioRpcError``, whose ``.code()`` is the node's status (INVALID_ARGUMENT for a bad
-prompt, NOT_FOUND for an unknown session on export, ...).  Imports only ``hints`` and grpc.
+prompt, NOT_FOUND for an unknown session on export, ...).  Contexts move between nodes as streams of
+chunks: ``export_context`` and ``import_context`` are the two ends (``hints._move.move_context`` the
+two-phase move built on them).  Imports only ``hints`` and grpc.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -25,10 +27,18 @@ from hints import engine_pb2, engine_pb2_grpc
 from hints._convert import ack_from_proto, batch_to_proto, cache_state_from_proto
 from hints._models import CacheState, Hint, HintAck, HintBatch
 
-__all__ = ["EngineClient", "GenerateChunk", "GenerateResult"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "EngineClient",
+    "GenerateChunk",
+    "GenerateResult",
+]
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-"""Same limit as the node: exported contexts are large."""
+"""Same limit as the node: a context chunk holds up to 64 MiB, a context's header all its token ids."""
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+"""KV bytes per chunk of a context export (the node's own default too)."""
 
 
 @dataclass
@@ -199,14 +209,46 @@ class EngineClient:
         finally:
             call.cancel()
 
-    # ---- moving contexts -----------------------------------------------------------------------
-    async def export_context(self, session_id: str, release_after: bool = False) -> engine_pb2.ContextBlob:
-        """The session's KV as bytes; pass the blob unchanged to another node's ``import_context``."""
-        req = engine_pb2.ExportContextRequest(session_id=session_id, release_after=release_after)
-        return await self._stub.ExportContext(req)
+    # ---- moving contexts (the two-phase move built on these: ``move_context``) --------------------
+    async def export_context(
+        self, session_id: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> AsyncGenerator[engine_pb2.ContextChunk, None]:
+        """The session's context as chunks: first its header, then its KV, at most ``chunk_bytes`` (and at
+        least one block) a chunk.  The node holds the session (no eviction, no turn) until the stream ends;
+        leaving the loop early cancels the stream, and the node lets go at once."""
+        call = self._stub.ExportContext(
+            engine_pb2.ExportContextRequest(session_id=session_id, chunk_bytes=chunk_bytes)
+        )
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()  # no-op once finished
 
-    async def import_context(self, blob: engine_pb2.ContextBlob) -> engine_pb2.ImportContextResponse:
-        return await self._stub.ImportContext(blob)
+    async def import_context(
+        self, chunks: AsyncIterable[engine_pb2.ContextChunk]
+    ) -> engine_pb2.ImportContextResponse:
+        """Send a context's chunks (header first, as ``export_context`` yields them) to this node, one at a
+        time; it commits the context once the last has arrived.  Failing or cancelled before that, the node
+        keeps nothing of it."""
+        call = self._stub.ImportContext()
+        try:
+            async for chunk in chunks:
+                if call.done():
+                    break  # the node ended the call (it refused the context): awaiting it raises why
+                await call.write(chunk)
+            await call.done_writing()  # (a no-op on a finished call)
+            response: engine_pb2.ImportContextResponse = await call
+            return response
+        finally:
+            call.cancel()  # no-op once finished
+
+    async def drop_context(self, session_id: str, num_tokens: int) -> engine_pb2.DropContextResponse:
+        """Free the session here if it is still parked with exactly the ``num_tokens`` tokens an export of it
+        sent (no turn ran on it since); ``dropped`` says whether it was, ``reason`` why not."""
+        return await self._stub.DropContext(
+            engine_pb2.DropContextRequest(session_id=session_id, num_tokens=num_tokens)
+        )
 
     # ---- lifetime ------------------------------------------------------------------------------
     async def close(self) -> None:

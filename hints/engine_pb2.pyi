@@ -568,26 +568,26 @@ class ExportContextRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
-    RELEASE_AFTER_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
-    release_after: _builtins.bool
-    """drop the context here once exported (a move, not a copy)"""
+    chunk_bytes: _builtins.int
+    """at most this many KV bytes per chunk, and at least one block; 0: 4 MiB"""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
-        release_after: _builtins.bool = ...,
+        chunk_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["release_after", b"release_after", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExportContextRequest: _TypeAlias = ExportContextRequest  # noqa: Y015
 
 @_typing.final
-class ContextBlob(_message.Message):
+class ContextHeader(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -597,21 +597,25 @@ class ContextBlob(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
-    KV_DATA_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    PIN_TTL_S_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     program_id: _builtins.str
     block_size: _builtins.int
     model_fingerprint: _builtins.str
     """layers/heads/dims/dtype/seed; import refuses a mismatch"""
     dtype: _builtins.str
-    kv_data: _builtins.bytes
+    num_blocks: _builtins.int
+    """ceil(len(token_ids) / block_size)"""
+    pin_ttl_s: _builtins.float
+    """the receiver pins the committed context this long (0: no pin); the"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """tokens whose KV is in kv_data, in order"""
+        """tokens whose KV the chunks carry, in order"""
 
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """shape of kv_data as a tensor"""
+        """shape of the whole context's KV as one tensor (num_blocks on its block axis)"""
 
     def __init__(
         self,
@@ -623,15 +627,46 @@ class ContextBlob(_message.Message):
         model_fingerprint: _builtins.str = ...,
         dtype: _builtins.str = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
-        kv_data: _builtins.bytes = ...,
+        num_blocks: _builtins.int = ...,
+        pin_ttl_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "kv_data", b"kv_data", "model_fingerprint", b"model_fingerprint", "program_id", b"program_id", "session_id", b"session_id", "shape", b"shape", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "model_fingerprint", b"model_fingerprint", "num_blocks", b"num_blocks", "pin_ttl_s", b"pin_ttl_s", "program_id", b"program_id", "session_id", b"session_id", "shape", b"shape", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ContextBlob: _TypeAlias = ContextBlob  # noqa: Y015
+Global___ContextHeader: _TypeAlias = ContextHeader  # noqa: Y015
+
+@_typing.final
+class ContextChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    KV_DATA_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    kv_data: _builtins.bytes
+    """KV of the next num_blocks blocks, laid out as the header's shape with"""
+    num_blocks: _builtins.int
+    """num_blocks on the block axis"""
+    @_builtins.property
+    def header(self) -> Global___ContextHeader:
+        """the first chunk only, and then without KV"""
+
+    def __init__(
+        self,
+        *,
+        header: Global___ContextHeader | None = ...,
+        kv_data: _builtins.bytes = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "kv_data", b"kv_data", "num_blocks", b"num_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContextChunk: _TypeAlias = ContextChunk  # noqa: Y015
 
 @_typing.final
 class ImportContextResponse(_message.Message):
@@ -640,20 +675,70 @@ class ImportContextResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_tokens: _builtins.int
     num_blocks: _builtins.int
+    pinned_blocks: _builtins.int
+    """blocks the header's pin holds (the pin budget may clamp it)"""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         num_tokens: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
+        pinned_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_tokens", b"num_tokens", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_tokens", b"num_tokens", "pinned_blocks", b"pinned_blocks", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ImportContextResponse: _TypeAlias = ImportContextResponse  # noqa: Y015
+
+@_typing.final
+class DropContextRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    num_tokens: _builtins.int
+    """the token count the export sent (len(header.token_ids))"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropContextRequest: _TypeAlias = DropContextRequest  # noqa: Y015
+
+@_typing.final
+class DropContextResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DROPPED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    dropped: _builtins.bool
+    reason: _builtins.str
+    """why the copy was kept, when dropped is false"""
+    def __init__(
+        self,
+        *,
+        dropped: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropContextResponse: _TypeAlias = DropContextResponse  # noqa: Y015

@@ -54,15 +54,20 @@ class EngineNodeStub:
                 request_serializer=hints_dot_engine__pb2.WatchCacheStateRequest.SerializeToString,
                 response_deserializer=hints_dot_engine__pb2.CacheState.FromString,
                 _registered_method=True)
-        self.ExportContext = channel.unary_unary(
+        self.ExportContext = channel.unary_stream(
                 '/hintflow.v1.EngineNode/ExportContext',
                 request_serializer=hints_dot_engine__pb2.ExportContextRequest.SerializeToString,
-                response_deserializer=hints_dot_engine__pb2.ContextBlob.FromString,
+                response_deserializer=hints_dot_engine__pb2.ContextChunk.FromString,
                 _registered_method=True)
-        self.ImportContext = channel.unary_unary(
+        self.ImportContext = channel.stream_unary(
                 '/hintflow.v1.EngineNode/ImportContext',
-                request_serializer=hints_dot_engine__pb2.ContextBlob.SerializeToString,
+                request_serializer=hints_dot_engine__pb2.ContextChunk.SerializeToString,
                 response_deserializer=hints_dot_engine__pb2.ImportContextResponse.FromString,
+                _registered_method=True)
+        self.DropContext = channel.unary_unary(
+                '/hintflow.v1.EngineNode/DropContext',
+                request_serializer=hints_dot_engine__pb2.DropContextRequest.SerializeToString,
+                response_deserializer=hints_dot_engine__pb2.DropContextResponse.FromString,
                 _registered_method=True)
 
 
@@ -97,14 +102,26 @@ class EngineNodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportContext(self, request, context):
-        """Move one session's KV context between nodes as bytes.
+        """Move one parked session's KV context between nodes, streamed in chunks of whole blocks (a context of
+        a long session is gigabytes; neither end holds it whole). The first chunk carries the header only.
+        While the export stream is open the source holds the session (no eviction, no turn, no free); it lets
+        go when the stream ends, is cancelled or its peer vanishes. The receiver reserves every block up front
+        and commits the context only once every block has arrived; a stream that breaks leaves nothing there.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ImportContext(self, request, context):
+    def ImportContext(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropContext(self, request, context):
+        """Second phase of a move, after the destination acknowledged the import: free the source's copy, but
+        only if it is still parked with exactly what that export sent (no turn ran on it since).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -132,15 +149,20 @@ def add_EngineNodeServicer_to_server(servicer, server):
                     request_deserializer=hints_dot_engine__pb2.WatchCacheStateRequest.FromString,
                     response_serializer=hints_dot_engine__pb2.CacheState.SerializeToString,
             ),
-            'ExportContext': grpc.unary_unary_rpc_method_handler(
+            'ExportContext': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportContext,
                     request_deserializer=hints_dot_engine__pb2.ExportContextRequest.FromString,
-                    response_serializer=hints_dot_engine__pb2.ContextBlob.SerializeToString,
+                    response_serializer=hints_dot_engine__pb2.ContextChunk.SerializeToString,
             ),
-            'ImportContext': grpc.unary_unary_rpc_method_handler(
+            'ImportContext': grpc.stream_unary_rpc_method_handler(
                     servicer.ImportContext,
-                    request_deserializer=hints_dot_engine__pb2.ContextBlob.FromString,
+                    request_deserializer=hints_dot_engine__pb2.ContextChunk.FromString,
                     response_serializer=hints_dot_engine__pb2.ImportContextResponse.SerializeToString,
+            ),
+            'DropContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropContext,
+                    request_deserializer=hints_dot_engine__pb2.DropContextRequest.FromString,
+                    response_serializer=hints_dot_engine__pb2.DropContextResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,12 +294,12 @@ class EngineNode:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/hintflow.v1.EngineNode/ExportContext',
             hints_dot_engine__pb2.ExportContextRequest.SerializeToString,
-            hints_dot_engine__pb2.ContextBlob.FromString,
+            hints_dot_engine__pb2.ContextChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -289,7 +311,34 @@ class EngineNode:
             _registered_method=True)
 
     @staticmethod
-    def ImportContext(request,
+    def ImportContext(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/hintflow.v1.EngineNode/ImportContext',
+            hints_dot_engine__pb2.ContextChunk.SerializeToString,
+            hints_dot_engine__pb2.ImportContextResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropContext(request,
             target,
             options=(),
             channel_credentials=None,
@@ -302,9 +351,9 @@ class EngineNode:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/hintflow.v1.EngineNode/ImportContext',
-            hints_dot_engine__pb2.ContextBlob.SerializeToString,
-            hints_dot_engine__pb2.ImportContextResponse.FromString,
+            '/hintflow.v1.EngineNode/DropContext',
+            hints_dot_engine__pb2.DropContextRequest.SerializeToString,
+            hints_dot_engine__pb2.DropContextResponse.FromString,
             options,
             channel_credentials,
             insecure,

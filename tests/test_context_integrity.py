@@ -572,7 +572,7 @@ def test_a_busy_node_does_not_starve_a_context_export() -> None:
 def test_a_context_on_both_tiers_exports_block_by_block() -> None:
     """The torch executor's real layout: device and host parts join along the block axis (end to end, each
     block came back holding slices of the others)."""
-    from engine_adapter._context_transfer import _join_blocks
+    from engine_adapter._context_blocks import join_blocks as _join_blocks
 
     ex = make_torch_executor(num_device_blocks=8, num_host_blocks=4, device="cpu")
     nb = ex.layout.block_nbytes

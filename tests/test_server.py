@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine_adapter import EngineCore, RunningNode, build_engine, load_engine_config, start_node
-from hints import EngineClient, Pin, engine_pb2
+from hints import ContextMoveError, EngineClient, Pin, engine_pb2, move_context
 
 MODEL: dict[str, Any] = {
     "vocab_size": 256,
@@ -279,29 +279,47 @@ async def test_metrics_endpoint(node: RunningNode, client: EngineClient) -> None
 async def test_export_import_between_nodes(node: RunningNode, client: EngineClient) -> None:
     prompt = _prompt(10, 50)
     turn1 = await client.generate(prompt, 3, session_id="mig", program_id="p-mig")
-    blob = await client.export_context("mig")
-    assert blob.model_fingerprint and blob.kv_data and list(blob.token_ids)[:50] == prompt
+    chunks = [c async for c in client.export_context("mig", chunk_bytes=1)]  # one block a chunk
+    head = chunks[0].header
+    assert head.model_fingerprint and list(head.token_ids)[:50] == prompt and head.num_blocks == len(chunks) - 1
+    assert all(c.num_blocks == 1 and c.kv_data and not c.HasField("header") for c in chunks[1:])
 
     twin = await start_node(_core("node-b"), metrics_port=-1)
     other = await start_node(_core("node-c", seed=1), metrics_port=-1)
     try:
         async with EngineClient(twin.address) as b, EngineClient(other.address) as c:
-            imported = await b.import_context(blob)
-            assert imported.num_tokens == len(blob.token_ids) and imported.num_blocks > 0
+            # a copy (the source keeps its context), then the turn on both nodes
+            moved = await move_context(client, b, "mig", pin_ttl_s=5.0, chunk_bytes=1, drop_source=False)
+            assert moved.num_tokens == len(head.token_ids) and moved.num_blocks == head.num_blocks
+            assert moved.num_chunks == head.num_blocks and not moved.source_dropped and moved.pinned_blocks
             nxt = prompt + turn1.token_ids + _prompt(11, 4)
             on_b = await b.generate(nxt, 4, session_id="mig", program_id="p-mig")
             on_a = await client.generate(nxt, 4, session_id="mig", program_id="p-mig")
             assert on_b.num_cached_tokens > 0 and on_b.token_ids == on_a.token_ids
+            with pytest.raises(ContextMoveError) as failed:  # another model's node refuses the header
+                await move_context(client, c, "mig")
+            assert failed.value.phase == "import" and failed.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(ContextMoveError) as failed:
+                await move_context(b, client, "never-seen")
+            assert failed.value.phase == "export" and failed.value.code == grpc.StatusCode.NOT_FOUND
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await c.import_context(blob)
-            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                await c.import_context(_aiter(chunks[1:]))  # no header first
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await b.export_context("never-seen")
-            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+                await b.import_context(_aiter(chunks[:2]))  # the stream ends early: nothing is committed
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (await b.get_cache_state()).free_blocks == twin.core.cache_state().total_blocks - len(
+                twin.core.kv.sessions["mig"].block_ids
+            )
     finally:
         await twin.stop(0.2)
         await other.stop(0.2)
     twin.core.check_invariants()
+
+
+async def _aiter(chunks: list[engine_pb2.ContextChunk]) -> AsyncIterator[engine_pb2.ContextChunk]:
+    for chunk in chunks:
+        yield chunk
 
 
 async def test_invariants_hold(node: RunningNode) -> None:
