@@ -34,6 +34,7 @@ from orchestrator._policy import (
 )
 from orchestrator._policy_spec import Option, parse_options, parse_value
 from orchestrator._prefill import PrefillEstimator
+from orchestrator._rebalance import MAX_MOVES_PER_TURN, NodeRoom, QueuedTurn, move_target
 from orchestrator._router import (
     ROUTING_POLICIES,
     NodeView,
@@ -57,6 +58,7 @@ from predictors import (
 )
 
 __all__ = [
+    "MAX_MOVES_PER_TURN",
     "POLICIES",
     "POLICY_OPTIONS",
     "ROUTING_POLICIES",
@@ -71,6 +73,7 @@ __all__ = [
     "JoinKind",
     "KVFlowPolicy",
     "NoNodeAvailable",
+    "NodeRoom",
     "NodeView",
     "Option",
     "PauseDistribution",
@@ -81,6 +84,7 @@ __all__ = [
     "ProgramGraph",
     "ProgramState",
     "ProgramTracker",
+    "QueuedTurn",
     "RouteDecision",
     "RouteRequest",
     "Router",
@@ -96,6 +100,7 @@ __all__ = [
     "default_prefill_s",
     "get_policy",
     "get_routing_policy",
+    "move_target",
     "parse_options",
     "parse_policy_spec",
     "parse_value",

@@ -2,14 +2,13 @@
 
 from typing import TYPE_CHECKING
 
+from replay._generator_registry import GENERATORS, generate
 from replay._generators import (
-    GENERATORS,
     HumanInLoop,
     MultiAgent,
     SweAgent,
     WorkloadGenerator,
     capped_lognormal_moments,
-    generate,
     lognormal_params,
     poisson_arrivals,
     with_poisson_arrivals,
@@ -32,11 +31,13 @@ from replay._readers import (
     read_trie,
     read_workload,
 )
+from replay._skewed import SkewedAgents
 from replay._trace import JOIN_KINDS, JoinKind, Program, Session, TraceError, Turn, scale_tokens
 
 if TYPE_CHECKING:
     from replay._cli import replay_command, writable_parent
     from replay._nodes import NodeSpec
+    from replay._plots import write_plots
     from replay._report import (
         ANALYSIS_ROWS,
         REQUIRED_KEYS,
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
         metrics,
         render_table,
         report_json,
-        write_plots,
     )
     from replay._setup import WORKLOAD_DEFAULTS, ReplaySetup, estimate_live_context_tokens, run_replay
     from replay._sim import SimResult, Simulation
@@ -69,6 +69,7 @@ __all__ = [
     "Session",
     "SimResult",
     "Simulation",
+    "SkewedAgents",
     "SweAgent",
     "TraceError",
     "Turn",
@@ -106,7 +107,8 @@ __all__ = [
 # importing the trace format, or starting the `hintflow` command line, does not pay for it.
 # name -> (module, attribute)
 _LAZY: dict[str, tuple[str, str]] = {
-    **{n: ("replay._report", n) for n in ("ANALYSIS_ROWS", "REQUIRED_KEYS", "bound_note", "metrics", "render_table", "report_json", "write_plots")},
+    **{n: ("replay._report", n) for n in ("ANALYSIS_ROWS", "REQUIRED_KEYS", "bound_note", "metrics", "render_table", "report_json")},
+    "write_plots": ("replay._plots", "write_plots"),
     **{n: ("replay._setup", n) for n in ("WORKLOAD_DEFAULTS", "ReplaySetup", "estimate_live_context_tokens", "run_replay")},
     **{n: ("replay._sim", n) for n in ("SimResult", "Simulation")},
     "NodeSpec": ("replay._nodes", "NodeSpec"),

@@ -57,8 +57,9 @@ def writable_parent(ctx: click.Context, param: click.Parameter, value: str | Non
                    "pushing hints to hintflow's node, each also as MODE+host; defaults: the tiny model, 40 programs, token "
                    "scale 0.1 for swe-agent and 0.2 for the other generators, outputs <= 32 tokens)")
 @click.option("--workload", "-w", default="swe-agent", show_default=True,
-              help="generator (swe-agent, multi-agent, human-in-loop[:k=v,...]), hintflow:FILE, "
-                   "mooncake:FILE, trie:FILE or a .jsonl trace")
+              help="generator (swe-agent, multi-agent, human-in-loop, skewed[:k=v,...]), hintflow:FILE, "
+                   "mooncake:FILE, trie:FILE or a .jsonl trace; skewed: 400 programs at 2/s, 80% sharing one "
+                   "hot prefix, 10% long-running with contexts about 5x the others' (meant for --nodes 4)")
 @click.option("--policy", "-p", "policies", default="all", show_default=True,
               help=f"comma-separated: {', '.join(REPLAY_CONFIGS)}; with --backend vllm: vanilla, "
                    "hintflow-infer, hintflow-infer-pid, hintflow-orchestrator, continuum, kvflow, thunderagent, "
@@ -104,6 +105,8 @@ def writable_parent(ctx: click.Context, param: click.Parameter, value: str | Non
                    "--executor torch 0.05 for swe-agent, 0.2 for multi-agent and human-in-loop]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, writable=True), default=None,
               callback=writable_parent, help="write the report as JSON here")
+@click.option("--csv", "csv_out", type=click.Path(dir_okay=False, writable=True), default=None,
+              callback=writable_parent, help="write one row per policy (every figure of the JSON's policies) here")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="write PNG plots (JCT CDF, across-turn hits, device memory) into this folder")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="tqdm bar per policy")
@@ -122,7 +125,7 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
                    host_capacity_tokens: int | None, host_memory: str, cost_model: str | None,
                    block_size: int | None, seed: int,
                    ttft_deadline_s: float | None, link_gb_per_s: float | None, scale: float | None,
-                   json_out: str | None,
+                   json_out: str | None, csv_out: str | None,
                    plots_dir: str | None, progress: bool, jobs: int | None, vllm_python: str | None,
                    vllm_model: str | None, state_dir: str | None) -> None:
     """Replay an agent workload under each policy and print the side-by-side table."""
@@ -134,6 +137,7 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
 
         vllm_replay(ctx, _tqdm_progress(progress))
         return
+    from replay._plots import write_plots
     from replay._report import (
         bound_note,
         dump_json,
@@ -142,7 +146,7 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
         render_table,
         report_json,
         step_time_check,
-        write_plots,
+        write_csv,
     )
     from replay._setup import ReplaySetup, run_replay
 
@@ -187,6 +191,9 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
     if json_out:
         dump_json(report, json_out)
         click.echo(f"JSON: {json_out}")
+    if csv_out:
+        write_csv(report, csv_out)
+        click.echo(f"CSV: {csv_out}")
     if plots_dir:
         written = write_plots(results, plots_dir)
         click.echo(written if isinstance(written, str) else "plots: " + ", ".join(map(str, written)))

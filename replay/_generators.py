@@ -4,7 +4,7 @@ Each generator draws program arrivals as a Poisson process at ``rate`` programs 
 programs themselves from a second random stream, so changing the rate keeps the programs, and asking for
 more programs keeps the first ones.  ``scale`` multiplies token counts only (see ``Program.scaled``) so the
 torch executor on a CPU can run the same shapes; pauses keep their real lengths.  Parameters and defaults
-are listed in docs/trace-format.md.
+are listed in docs/trace-format.md; the generators by name are ``replay._generator_registry.GENERATORS``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Any, ClassVar
 
 from replay._trace import JoinKind, Program, Session, Turn
 
-__all__ = ["GENERATORS", "HumanInLoop", "MultiAgent", "SweAgent", "WorkloadGenerator",
-           "capped_lognormal_moments", "generate", "lognormal_params", "poisson_arrivals",
-           "with_poisson_arrivals"]
+__all__ = ["HumanInLoop", "IntRange", "MultiAgent", "SweAgent", "WorkloadGenerator", "capped_lognormal_moments",
+           "lognormal_params", "poisson_arrivals", "with_poisson_arrivals"]
 
 IntRange = tuple[int, int]  # inclusive, drawn uniformly
 
@@ -268,23 +267,3 @@ class HumanInLoop(WorkloadGenerator):
         pause = (self.human_mean_s, self.human_sd_s, self.human_cap_s)
         turns = _loop(rng, first, n, self.human_message_tokens, self.output_tokens, "human", pause)
         return [Session("agent", "assistant", turns)]
-
-
-GENERATORS: dict[str, type[WorkloadGenerator]] = {g.name: g for g in (SweAgent, MultiAgent, HumanInLoop)}
-
-
-def generate(name: str, *, seed: int, num_programs: int | None = None, rate: float | None = None,
-             scale: float = 1.0, **params: Any) -> list[Program]:
-    """Programs from the generator ``name`` with its defaults, overridden by the arguments given."""
-    if name not in GENERATORS:
-        raise ValueError(f"unknown generator {name!r}; known: {sorted(GENERATORS)}")
-    cls = GENERATORS[name]
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ValueError(f"{name}: unknown parameters {unknown}; known: {sorted(known)}")
-    if num_programs is not None:
-        params["num_programs"] = num_programs
-    if rate is not None:
-        params["rate"] = rate
-    return cls(**params).generate(seed=seed, scale=scale)

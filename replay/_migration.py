@@ -21,7 +21,8 @@ no room fails at once and the turn stays (or is resubmitted) where its context i
 until the transfer is over.  The turn keeps its ``ready_s``, so its TTFT and queue wait include the time it
 queued on A and the transfer.  It counts as a migration, not a session move (those re-prefill).  Each step
 is the live engine's own API (``abort``, ``export_context``, ``import_context``, ``Pin``, ``Priority``), the
-path a live rebalancer would take; the live runtime does not move contexts yet.
+path the live runtime takes (``workflows/_context_moves.py``), and whether a queued turn moves, and where,
+is the same function there and here (``orchestrator.move_target``).
 
 Rent-or-buy: a turn moves only after waiting on its node as long as its transfer takes, so a turn that its
 own node admits within that time never pays for one, and only once that node's scheduler has passed it
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from engine_adapter import EngineError, Request, SessionState
 from hints import Pin, Priority
-from orchestrator import RouteRequest
+from orchestrator import MAX_MOVES_PER_TURN, NodeRoom, QueuedTurn, RouteRequest, move_target
 from replay._nodes import SimNode
 from replay._runs import SessionRun
 
@@ -52,7 +53,7 @@ class Migrator:
     """Finds queued turns that another node can run now and moves their contexts there."""
 
     lookahead = 4  # waiting turns looked at per node and check (the queue's head is what waits longest)
-    max_moves_per_turn = 2  # a turn that could not start after two moves waits where it is
+    max_moves_per_turn = MAX_MOVES_PER_TURN  # a turn that could not start after two moves waits where it is
 
     def __init__(self, sim: Simulation, per_token_s: float) -> None:
         if not (math.isfinite(per_token_s) and per_token_s >= 0.0):
@@ -60,12 +61,14 @@ class Migrator:
         self.sim, self.per_token_s = sim, per_token_s
         self._inbound: dict[str, int] = {n.address: 0 for n in sim.nodes}  # blocks promised to moves in flight
         self._inbound_turns: dict[str, int] = {n.address: 0 for n in sim.nodes}  # and the turns themselves
-        self.num_migrations = 0
+        self.num_migrations = 0  # copies that arrived (their turn was submitted on the new node)
         self.num_migrated_tokens = 0
-        self.num_failed_imports = 0
+        self.total_transfer_s = 0.0  # those copies' time on the link, summed
+        self.num_failed_imports = 0  # moves the receiver had no room for: the turn stayed with its context
 
     def check(self) -> None:
-        """Move what can move now (cheap when no node has a queue or every node has one)."""
+        """Move what can move now (cheap when no node has a queue or every node has one).  Whether and where
+        a turn moves is ``orchestrator.move_target``'s answer, the rule the live runtime follows too."""
         nodes = self.sim.nodes
         open_nodes = [n for n in nodes if not n.engine.scheduler.waiting]
         if not open_nodes or len(open_nodes) == len(nodes):
@@ -77,20 +80,24 @@ class Migrator:
                 if req.admitted or req.output:  # admitted once (preempted since): its work is here
                     continue
                 s = self.sim.live[req.session.session_id]
-                # Counted from when it reached this node (a moved turn keeps its older arrival time).
-                if src.last_schedule_s <= s.landed_s:  # its node has not looked at it yet
-                    continue
-                ctx_tokens = req.session.num_device_tokens + req.session.num_host_tokens
-                if not ctx_tokens:  # nothing to take along: a first turn waits where the router sent it
-                    continue
-                if now - s.landed_s < ctx_tokens * self.per_token_s:
-                    continue
-                if s.num_moves >= self.max_moves_per_turn:
-                    continue
-                need = self._blocks(src, len(req.prompt) + req.max_new_tokens)
-                fitting = [n for n in open_nodes if n is not src and self.fits(n, need)]
-                if fitting:
-                    self.move(src, max(fitting, key=self._room), s, queued=req)
+                turn = QueuedTurn(
+                    session_id=s.key,
+                    node=src.address,
+                    # Counted from when it reached this node (a moved turn keeps its older arrival time).
+                    waited_s=now - s.landed_s,
+                    passed_over=src.last_schedule_s > s.landed_s,
+                    context_tokens=req.session.num_device_tokens + req.session.num_host_tokens,
+                    need_tokens=len(req.prompt) + req.max_new_tokens,
+                    num_moves=s.num_moves,
+                )
+                target = move_target(turn, [self._node_room(n) for n in open_nodes], self.per_token_s)
+                if target is not None:
+                    self.move(src, self.sim.by_address[target], s, queued=req)
+
+    def _node_room(self, node: SimNode) -> NodeRoom:
+        sched = node.engine.scheduler
+        slots = sched.config.max_num_seqs - len(sched.running) - self._inbound_turns[node.address]
+        return NodeRoom(node.address, len(sched.waiting), slots, self._room(node), node.block_size)
 
     def _blocks(self, node: SimNode, num_tokens: int) -> int:
         return -(-num_tokens // node.block_size)
@@ -156,6 +163,7 @@ class Migrator:
         self._inbound_turns[dst.address] -= 1
         self.num_migrations += 1
         self.num_migrated_tokens += num_tokens
+        self.total_transfer_s += num_tokens * self.per_token_s
         s.migrated_tokens = num_tokens
         self._submit(src, dst, s, arrival_s, overdue)
         src.engine.kv.free_session(src.engine.kv.sessions[s.key])

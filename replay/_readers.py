@@ -14,7 +14,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
-from replay._generators import GENERATORS, generate, with_poisson_arrivals
+from replay._generator_registry import GENERATORS, generate
+from replay._generators import with_poisson_arrivals
 from replay._trace import JoinKind, Program, Session, TraceError, Turn
 
 __all__ = ["MOONCAKE_BLOCK_SIZE", "dump_jsonl", "load_jsonl", "program_from_dict", "program_to_dict",

@@ -1,4 +1,4 @@
-"""From replay results to numbers: per-policy metrics, the side-by-side table, JSON, and PNG plots.
+"""From replay results to numbers: per-policy metrics, the side-by-side tables, JSON and CSV (plots: ``_plots.py``).
 
 Hit rates follow the engine's metric definitions (``engine_adapter/_metrics.py``):
 
@@ -14,6 +14,7 @@ Ratios in the table are ``policy / baseline`` for times (below 1 is faster) and 
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -25,12 +26,18 @@ import numpy as np
 from replay._setup import ReplaySetup
 from replay._sim import SimResult
 
-__all__ = ["ANALYSIS_ROWS", "REQUIRED_KEYS", "bound_note", "metrics", "oracle_note", "overload_note",
-           "render_table", "report_json", "step_time_check", "write_plots"]
+__all__ = ["ANALYSIS_ROWS", "NO_MIGRATIONS", "REQUIRED_KEYS", "bound_note", "dump_json", "metrics",
+           "migration_table", "oracle_note", "overload_note", "render_table", "report_json", "step_time_check", "write_csv"]
 
 REQUIRED_KEYS = ("jct_mean_s", "jct_p50_s", "jct_p90_s", "jct_p99_s", "ttft_p50_s", "ttft_p90_s",
                  "ttft_p99_s", "across_turn_hit_rate", "within_turn_hit_rate", "recomputed_tokens",
                  "throughput_tokens_per_s")
+
+
+NO_MIGRATIONS: dict[str, Any] = {"migrations": 0, "migrated_tokens": 0, "migrated_bytes": 0,
+                                 "migration_transfer_s": 0.0, "failed_migrations": 0}
+"""What a configuration that moves no contexts reports (``_migration.py``: bytes are tokens times the cost
+model's ``kv_bytes_per_token``, None where the profile does not say; time is the copies' time on the link)."""
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -74,9 +81,11 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "recomputed_tokens": sum(t.recomputed_tokens for t in turns),
         "computed_prompt_tokens": sum(t.computed_tokens for t in turns),
         "throughput_tokens_per_s": _ratio(output, result.makespan_s),
+        "throughput_programs_per_s": _ratio(len(runs), result.makespan_s),
         "prompt_throughput_tokens_per_s": _ratio(prompt, result.makespan_s),
         "pinned_token_seconds": sum(n.pinned_token_s for n in result.node_totals),
-        "migrations": 0,  # contexts copied to another node (the configurations that move them: extra below)
+        # contexts copied to another node with their turn: 0 unless the configuration moves them (``extra``)
+        **NO_MIGRATIONS,
         "session_moves": moves,
         "preemptions": sum(n.num_preemptions for n in result.node_totals),
         "evicted_blocks": sum(s.evicted_blocks for s in stats),
@@ -168,6 +177,27 @@ def render_table(report: dict[str, Any]) -> str:
     lines = _table(pols, refs, _TIMES) + [""] + _table(pols, refs, _WORK)
     if refs:
         lines.append(f"\nratios in parentheses: × {' / × '.join(refs)}")
+    if movers := migration_table(report):
+        lines += ["", movers]
+    return "\n".join(lines)
+
+
+def migration_table(report: dict[str, Any]) -> str:
+    """The contexts each configuration that moves them copied between nodes: how many, their tokens and bytes,
+    their time on the link, and the moves the receiving node had no room for (empty when none moves any)."""
+    configs = report.get("config", {}).get("policy_configs", {})
+    movers = {n: m for n, m in report["policies"].items()
+              if configs.get(n, {}).get("migrate") or m.get("migrations") or m.get("failed_migrations")}
+    if not movers:
+        return ""
+    lines = ["| policy | migrations | migrated tokens | GB | transfer time | failed imports |", "|---" * 6 + "|"]
+    for name, m in movers.items():
+        gb = "n/a" if m.get("migrated_bytes") is None else f"{m['migrated_bytes'] / 1e9:.2f}"
+        lines.append(f"| {name} | {m['migrations']:,} | {m['migrated_tokens']:,} | {gb} | "
+                     f"{m['migration_transfer_s']:.2f} s | {m['failed_migrations']:,} |")
+    others = [n for n in report["policies"] if n not in movers]
+    if others:
+        lines.append(f"\n{', '.join(others)}: move no contexts between nodes (a session they move is recomputed)")
     return "\n".join(lines)
 
 
@@ -229,52 +259,17 @@ def step_time_check(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_plots(results: Sequence[SimResult], out_dir: str | Path) -> list[Path] | str:
-    """JCT CDF, across-turn hit rate and device memory over time, as PNGs in ``out_dir``.
-
-    Returns the files written, or a message saying why none were (matplotlib is optional).
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plots written (pip install matplotlib)"
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        jct = np.sort([p.jct_s for p in r.programs])
-        ax.plot(jct, np.arange(1, len(jct) + 1) / len(jct), label=r.config.name)
-    ax.set(xlabel="job completion time (s)", ylabel="fraction of programs", title="JCT CDF", xscale="log")
-    ax.legend()
-    paths.append(out / "jct_cdf.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = [r.config.name for r in results]
-    ax.bar(names, [metrics(r)["across_turn_hit_rate"] for r in results])
-    ax.set(ylabel="across-turn hit rate", ylim=(0, 1), title="KV found across turn boundaries")
-    ax.tick_params(axis="x", rotation=30)
-    paths.append(out / "across_turn_hits.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in results:
-        by_t: dict[float, int] = {}
-        for t, _, used, _, _ in r.memory:
-            by_t[t] = by_t.get(t, 0) + used
-        ts = sorted(by_t)
-        ax.plot(ts, [by_t[t] for t in ts], label=r.config.name, linewidth=0.8)
-    ax.set(xlabel="virtual time (s)", ylabel="device KV in use, all nodes (tokens)", title="Device memory")
-    ax.legend()
-    paths.append(out / "device_memory.png")
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return paths
-
-
 def dump_json(report: dict[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+
+
+def write_csv(report: dict[str, Any], path: str | Path) -> None:
+    """One row per policy, one column per scalar figure of ``metrics`` (the JSON's ``policies``), for tables
+    over seeds or runs; a figure one policy lacks (ThunderAgent's pause counts) is empty in the others' rows."""
+    rows = [{"policy": name, **{k: v for k, v in m.items() if v is None or isinstance(v, int | float | str)}}
+            for name, m in report["policies"].items()]
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    with Path(path).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)

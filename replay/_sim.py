@@ -188,9 +188,13 @@ class Simulation:
             extra |= {"thunderagent_pauses": self.controller.num_pauses,
                       "thunderagent_restores": self.controller.num_restores}
         if self.migrator is not None:
-            extra |= {"migrations": self.migrator.num_migrations,
-                      "migrated_tokens": self.migrator.num_migrated_tokens,
-                      "failed_migrations": self.migrator.num_failed_imports}
+            mig = self.migrator
+            bytes_per_token = self.spec.cost_model.kv_bytes_per_token  # None: the profile does not say
+            extra |= {"migrations": mig.num_migrations,
+                      "migrated_tokens": mig.num_migrated_tokens,
+                      "migrated_bytes": None if bytes_per_token is None else mig.num_migrated_tokens * bytes_per_token,
+                      "migration_transfer_s": mig.total_transfer_s,
+                      "failed_migrations": mig.num_failed_imports}
         return extra
 
     def _sample_tick(self) -> None:

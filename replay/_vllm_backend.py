@@ -45,7 +45,7 @@ all programs, the trace's arrivals, scale 1)."""
 
 MODELED_ONLY = {"cost_model": "--cost-model", "host_memory": "--host-memory",
                 "block_size": "--block-size", "ttft_deadline_s": "--ttft-deadline", "plots_dir": "--plots",
-                "variants": "--variant"}
+                "variants": "--variant", "csv_out": "--csv"}
 VLLM_ONLY = {"vllm_python": "--vllm-python", "vllm_model": "--model", "state_dir": "--state-dir"}
 
 

@@ -206,7 +206,7 @@ def swe_agent_programs(
 
     Every token random, the shared system prompt too (as measured in docs/benchmarks.md; ``agent_programs``
     shares it)."""
-    from replay._generators import generate
+    from replay._generator_registry import generate
 
     rng = random.Random(f"swe/{seed}/tokens")
     return [
