@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -156,13 +157,16 @@ async def local_nodes(
 
 @contextlib.asynccontextmanager
 async def local_stack(
-    temporal: str | None, engines: Sequence[str], *, num_device_blocks: int = 256
+    temporal: str | None, engines: Sequence[str], *, num_device_blocks: int = 256, num_nodes: int = 1
 ) -> AsyncIterator[LocalStack]:
-    """Connect to (or start) Temporal and the engine nodes; stop whatever was started here on exit."""
+    """Connect to (or start) Temporal and the engine nodes (``num_nodes`` local ones when ``engines`` is
+    empty); stop whatever was started here on exit."""
     async with local_temporal(temporal) as client, contextlib.AsyncExitStack() as stack:
         addresses = list(engines)
         if not addresses:
-            addresses = await stack.enter_async_context(local_nodes(1, num_device_blocks=num_device_blocks))
+            addresses = await stack.enter_async_context(
+                local_nodes(num_nodes, num_device_blocks=num_device_blocks)
+            )
         yield LocalStack(client, addresses)
 
 
@@ -179,25 +183,33 @@ def _stop_on_signal() -> asyncio.Event:
 
 
 def make_runtime(
-    engines: Sequence[str], policy: str, cost_model: str | None, routing: str | None = None
+    engines: Sequence[str],
+    policy: str,
+    cost_model: str | None,
+    routing: str | None = None,
+    migrate: bool | None = None,
 ) -> Any:
     """A HintRuntime; with a cost model (bundled profile name or JSON path) its prefill times are the
     router's recompute estimate and the prior of the learned PrefillReload.  ``routing`` defaults to
     what the policy's system does: session affinity for ``vllm-default`` (vLLM's production stack),
-    hintflow's cost routing for the others."""
+    hintflow's cost routing for the others.  ``migrate`` (moving a routed session's context along, see
+    ``workflows/_context_moves.py``) defaults to on for ``hintflow``, as in the replay."""
     from orchestrator import POLICIES, parse_policy_spec
     from workflows import HintRuntime
 
+    name = parse_policy_spec(policy, POLICIES).name
     if routing is None:
-        routing = "session" if parse_policy_spec(policy, POLICIES).name == "vllm-default" else "hintflow"
+        routing = "session" if name == "vllm-default" else "hintflow"
+    if migrate is None:
+        migrate = name == "hintflow"
     if cost_model is None:
-        return HintRuntime(engines, policy, routing=routing)
+        return HintRuntime(engines, policy, routing=routing, migrate=migrate)
     from engine_adapter import load_cost_model
 
     cm = load_cost_model(cost_model)
     return HintRuntime(
         engines, policy, routing=routing, prefill_s=lambda n, p: cm.prefill_time(n, p),
-        prefill_reload_s=cm.prefill_reload_s,
+        prefill_reload_s=cm.prefill_reload_s, migrate=migrate,
     )
 
 
@@ -258,6 +270,7 @@ class RunConfig:
     seed: int = 0
     cost_model: str | None = None  # bundled profile name or JSON path (router + PrefillReload prior)
     routing: str | None = None  # routing policy; default: session for vllm-default, else hintflow
+    migrate: bool | None = None  # take contexts along when sessions move; default: on for hintflow
     overrides: dict[str, Any] = field(default_factory=dict)  # fields of the example's input dataclass
 
 
@@ -285,10 +298,16 @@ async def _background(addresses: Sequence[str], cfg: RunConfig, stop: asyncio.Ev
 
 
 async def run_programs(
-    cfg: RunConfig, temporal: str | None, engines: Sequence[str], *, num_device_blocks: int = 256
+    cfg: RunConfig,
+    temporal: str | None,
+    engines: Sequence[str],
+    *,
+    num_device_blocks: int = 256,
+    num_nodes: int = 1,
 ) -> dict[str, Any]:
-    """Start ``cfg.programs`` programs of ``cfg.example`` and return the report (see :func:`summarize`)."""
-    async with local_stack(temporal, engines, num_device_blocks=num_device_blocks) as stack:
+    """Start ``cfg.programs`` programs of ``cfg.example`` and return the report (see :func:`summarize`);
+    without ``engines``, on ``num_nodes`` local nodes."""
+    async with local_stack(temporal, engines, num_device_blocks=num_device_blocks, num_nodes=num_nodes) as stack:
         return await run_programs_on(stack.client, stack.engines, cfg)
 
 
@@ -328,7 +347,7 @@ async def run_programs_on(client: Any, engines: Sequence[str], cfg: RunConfig) -
     if problems:  # before any program starts: each would fail with the same error
         raise ValueError(f"bad input for {cfg.example}: {'; '.join(problems)}")
     await _check_reachable(engines)
-    runtime = make_runtime(engines, cfg.policy, cfg.cost_model, cfg.routing)
+    runtime = make_runtime(engines, cfg.policy, cfg.cost_model, cfg.routing, cfg.migrate)
     task_queue = f"hintflow-run-{uuid.uuid4().hex[:8]}"
     stop = asyncio.Event()
     bg = asyncio.create_task(_background(engines, cfg, stop)) if cfg.background_clients else None
@@ -343,7 +362,7 @@ async def run_programs_on(client: Any, engines: Sequence[str], cfg: RunConfig) -
                 handles.append(
                     await client.start_workflow(
                         example.workflow.run,  # type: ignore[attr-defined]
-                        inp,
+                        _seeded(inp, cfg.seed, i),
                         id=f"{cfg.example}-{i}-{task_queue}",
                         task_queue=task_queue,
                     )
@@ -353,6 +372,29 @@ async def run_programs_on(client: Any, engines: Sequence[str], cfg: RunConfig) -
         stop.set()
         num_background = await bg if bg is not None else 0
     return summarize(cfg, reports, runtime, time.monotonic() - t0, num_background, engines)
+
+
+def _seeded(inp: Any, seed: int, index: int) -> Any:
+    """Program ``index``'s input, its random draws seeded from ``seed`` (unless the input names its own):
+    every run with the same seed runs the same programs, so runs compare side by side."""
+    if getattr(inp, "seed", 0) is not None or not dataclasses.is_dataclass(inp) or isinstance(inp, type):
+        return inp
+    return dataclasses.replace(inp, seed=seed * 1_000_003 + index)
+
+
+def _moves(runtime: Any) -> dict[str, Any]:
+    """The contexts the runtime took along to other nodes (all zero with moves off)."""
+    mover = getattr(runtime, "mover", None)
+    st = mover.stats if mover is not None else None
+    return {
+        "migrate": mover is not None,
+        "migrations": st.num_moves if st else 0,
+        "migrations_failed": st.num_failed if st else 0,
+        "migrations_skipped": st.num_skipped if st else 0,
+        "migrated_tokens": st.num_tokens if st else 0,
+        "migrated_bytes": st.num_bytes if st else 0,
+        "migration_s": st.move_s if st else 0.0,
+    }
 
 
 def _q(values: Sequence[float], q: float) -> float:
@@ -417,6 +459,7 @@ def summarize(
         "pins_placed": totals.pins_placed,
         "pins_held": totals.pins_held,
         "pins_expired": totals.pins_expired,
+        **_moves(runtime),
         "background_requests": num_background,
         "wall_s": wall_s,
         "config": asdict(cfg),

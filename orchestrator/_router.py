@@ -193,6 +193,30 @@ class Router:
             if ctx is not None and ctx[0] == address:
                 self._session_ctx[session_id] = (address, ctx[1], node.state.version)
 
+    def node_state(self, address: str) -> CacheState | None:
+        """The latest state of ``address`` (None for a node unknown or removed)."""
+        node = self._nodes.get(address)
+        return node.state if node is not None else None
+
+    def residency(self, address: str, session_id: str) -> SessionResidency | None:
+        """The session as ``address``'s latest state shows it (None if it shows none)."""
+        node = self._nodes.get(address)
+        return node.residency.get(session_id) if node is not None else None
+
+    def session_tokens(self, address: str, session_id: str) -> int:
+        """Tokens of the session's own context the router expects on ``address`` (device + host; 0 for an
+        unknown node): its residency there, or the context its last turn there left, until a newer state
+        says otherwise.  What a move from there could take along (a shared prefix is not counted)."""
+        node = self._nodes.get(address)
+        if node is None:
+            return 0
+        res = node.residency.get(session_id)
+        tokens = res.device_tokens + res.host_tokens if res is not None else 0
+        ctx = self._session_ctx.get(session_id)
+        if ctx is not None and ctx[0] == address and ctx[2] >= 0 and node.state.version <= ctx[2]:
+            tokens = max(tokens, ctx[1])
+        return tokens
+
     def _prefill(self, num_new: int, num_cached: int) -> float:
         if num_new == 0:
             return 0.0

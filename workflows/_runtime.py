@@ -91,6 +91,7 @@ from orchestrator import (
     get_policy,
 )
 from workflows._api import LLMInput, LLMResult, decode_text
+from workflows._context_moves import ContextMover
 from workflows._publisher import HintPublisher, StreamHealth, describe_error, node_client
 
 __all__ = ["EngineUnavailable", "HintRuntime", "InvalidPrompt", "ProgramStats", "turn_client"]
@@ -171,6 +172,7 @@ class HintRuntime:
         tool_grace_s: float = 5.0,
         reap_after_s: float = 600.0,
         reap_paused_after_s: float = 86400.0,
+        migrate: bool = False,
     ) -> None:
         """``tool_grace_s``: how long after a tool's activity returned the session still counts as in
         that pause when no next turn comes (the next turn may run on another worker, or the program was
@@ -255,6 +257,9 @@ class HintRuntime:
         )
         self.publishers: dict[str, HintPublisher] = {}
         self.clients: dict[str, EngineClient | VllmClient] = {}
+        # ``migrate``: contexts move between embedded nodes with the turns the router or a queue sends
+        # elsewhere (``_context_moves``: a routed session's, a queued turn's to a node with room)
+        self.mover = ContextMover(self.router, self.clients, self.registry) if migrate else None
         # per node: its cache-state stream up or down (a node down is taken out of the router)
         self.node_health: dict[str, StreamHealth] = {
             a: StreamHealth(f"engine node {a}: cache-state stream", logger) for a in self.engines
@@ -763,16 +768,34 @@ class HintRuntime:
                 self.num_failovers += 1
                 logger.info("session %s: model call failed over to %s (%s)", inp.session_id, addr, last_error)
             s = self._session(inp.session_id, program_id)
-            if decision.moved_from is not None and decision.moved_from in self.publishers:
+            t0 = time.monotonic()
+            moved = False
+            if decision.moved_from is not None and not tried and self.mover is not None:
+                moved = await self.mover.take_along(
+                    decision.moved_from, addr, inp.session_id,
+                    self.prefill.reload_s(self.router.session_tokens(decision.moved_from, inp.session_id)),
+                )
+            if decision.moved_from is not None and not moved and decision.moved_from in self.publishers:
                 # The old copy is stale now: let it go rather than hold a pin on it.
                 self.publishers[decision.moved_from].publish([Pin(session_id=inp.session_id, ttl_s=0.0)])
             s.node = addr
             self.router.started(addr, req)
-            t0 = time.monotonic()
+
+            def sent_to(address: str, s: _SessionInfo = s, req: RouteRequest = req) -> None:
+                nonlocal addr  # a queued turn moved (or went back) to ``address``: it runs there now
+                addr = s.node = address
+                self.router.started(address, req)
+
             try:
-                res: GenerateResult = await self.clients[addr].generate(
-                    inp.prompt_token_ids, inp.max_new_tokens, inp.session_id, program_id
-                )
+                res: GenerateResult
+                if self.mover is not None:
+                    res = await self.mover.run_turn(
+                        addr, inp.session_id, program_id, inp.prompt_token_ids, inp.max_new_tokens, sent_to
+                    )
+                else:
+                    res = await self.clients[addr].generate(
+                        inp.prompt_token_ids, inp.max_new_tokens, inp.session_id, program_id
+                    )
             except VllmRejected as exc:  # HTTP 400 from a vLLM node: the same as INVALID_ARGUMENT
                 raise InvalidPrompt(f"node {addr} refused the prompt: {exc.message}") from None
             except VllmUnreachable as exc:  # the same as UNAVAILABLE: try another node

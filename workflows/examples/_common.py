@@ -19,6 +19,7 @@ __all__ = [
     "fixed_prefix",
     "input_problems",
     "lognormal_params",
+    "program_rng",
     "sample_pause_s",
 ]
 
@@ -114,6 +115,15 @@ def sample_pause_s(rng: random.Random, mean_s: float, sd_s: float, max_s: float)
     """Heavy-tailed tool time, like SWE-agent shell calls (default mean 0.9 s, sd 3.5 s), capped at max_s."""
     mu, sigma = lognormal_params(mean_s, sd_s)
     return min(rng.lognormvariate(mu, sigma), max_s)
+
+
+def program_rng(seed: int | None) -> random.Random:
+    """The program's random draws (its text, tool times): from ``seed`` when given, so that the same
+    programs run in every A/B run (``hintflow run`` seeds each from ``--seed`` and its index); else
+    Temporal's deterministic per-run random.  Both replay the same way."""
+    from temporalio import workflow
+
+    return random.Random(seed) if seed is not None else workflow.random()
 
 
 def fixed_prefix(key: str, num_tokens: int, vocab_size: int) -> list[int]:

@@ -14,7 +14,7 @@ from functools import partial
 from temporalio import workflow
 
 from workflows._api import current_session, llm, pause
-from workflows.examples._common import ProgramReport, check_input, input_problems
+from workflows.examples._common import ProgramReport, check_input, input_problems, program_rng
 
 __all__ = ["HumanInLoop", "HumanInLoopInput"]
 
@@ -29,6 +29,7 @@ class HumanInLoopInput:
     human_sigma: float = 0.8
     time_scale: float = 1.0
     vocab_size: int = 256
+    seed: int | None = None  # the program's own random draws; None: Temporal's per-run random
 
     def problems(self) -> list[str]:
         """Empty when the input is valid; else what is wrong with it, one line per field."""
@@ -56,7 +57,7 @@ class HumanInLoop:
     @workflow.run
     async def run(self, inp: HumanInLoopInput) -> ProgramReport:
         check_input(inp.problems())
-        rng = workflow.random()
+        rng = program_rng(inp.seed)
         start = workflow.time()
         report = ProgramReport(workflow.info().workflow_id, "human-in-loop")
         prompt = [rng.randrange(inp.vocab_size) for _ in range(inp.prompt_tokens)]

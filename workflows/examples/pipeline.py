@@ -18,6 +18,7 @@ from workflows.examples._common import (
     check_input,
     fixed_prefix,
     input_problems,
+    program_rng,
     sample_pause_s,
 )
 
@@ -37,6 +38,7 @@ class PipelineInput:
     tool_max_s: float = 60.0
     time_scale: float = 1.0
     vocab_size: int = 256
+    seed: int | None = None  # the program's own random draws; None: Temporal's per-run random
 
     def problems(self) -> list[str]:
         """Empty when the input is valid; else what is wrong with it, one line per field."""
@@ -58,7 +60,7 @@ class Pipeline:
     @workflow.run
     async def run(self, inp: PipelineInput) -> ProgramReport:
         check_input(inp.problems())
-        rng = workflow.random()
+        rng = program_rng(inp.seed)
         start = workflow.time()
         report = ProgramReport(workflow.info().workflow_id, f"pipeline-{inp.join}")
         task = [rng.randrange(inp.vocab_size) for _ in range(inp.task_tokens)]

@@ -1,0 +1,264 @@
+"""The live runtime's context moves between embedded nodes: the replay's ``hintflow`` migration, live.
+
+Two moves, both streamed from node to node by ``hints.move_context`` (two-phase: the source lets go only
+once the destination has committed the copy; docs/failures.md says what each failure leaves):
+
+* **Routed**: the router sends a session's turn away from its home node (``HintFlowRouting`` does when
+  home's queue makes even a cold start elsewhere cheaper).  The context goes along when the copy is
+  expected to be quicker than re-prefilling it there: tokens times the seconds per token the recent moves
+  took (the first is tried on faith) against the runtime's measured ``PrefillReload``.
+* **Queued**: a turn waits on its node, never admitted, while another node has room for it now.  The rule is
+  ``orchestrator.move_target`` (rent-or-buy: only after waiting as long as its copy takes; at most twice),
+  the same function the replay's migrator calls.  The turn's call is cancelled (the node aborts the
+  waiting request, its context stays parked), the context moves, and the turn is sent to the new node.  A
+  move that fails sends the turn back to its own node (where its context still is), at the end of the line.
+
+Moves are checked every ``check_s`` while a turn waits for its first token, from the router's view of the
+nodes (their ``WatchCacheState`` streams): a node's ``free_blocks`` less what moves on their way there were
+promised is its room.  The time a turn spent before a move counts in its TTFT and queue wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter
+
+from hints import ContextMove, ContextMoveError, EngineClient, GenerateResult, VllmClient, move_context
+from orchestrator import NodeRoom, QueuedTurn, Router, move_target
+
+__all__ = ["ContextMover", "MoveStats"]
+
+logger = logging.getLogger(__name__)
+
+_UNBOUNDED_SLOTS = 1 << 20  # a node's CacheState does not say how many sequences it admits: room decides
+
+
+@dataclass
+class MoveStats:
+    """What the runtime's moves did, for reports."""
+
+    num_moves: int = 0  # routed and queued, done
+    num_queued_moves: int = 0  # of which queued turns moved to a node with room
+    num_failed: int = 0
+    num_skipped: int = 0  # routed moves not tried: recomputing was expected to be quicker
+    num_tokens: int = 0
+    num_bytes: int = 0
+    move_s: float = 0.0  # summed over the moves done
+
+
+class ContextMover:
+    """Decides and runs the moves; one per runtime.  ``pin_ttl_s``: how long the destination keeps a copy
+    pinned for the turn on its way (sent right after the commit)."""
+
+    window = 16  # recent moves the seconds-per-token estimate is taken over
+    abort_wait_s = 1.0  # a cancelled waiting turn is aborted on its node within milliseconds; this at most
+
+    def __init__(
+        self,
+        router: Router,
+        clients: Mapping[str, EngineClient | VllmClient],
+        registry: CollectorRegistry,
+        *,
+        pin_ttl_s: float = 10.0,
+        check_s: float = 0.1,
+    ) -> None:
+        for name, value in (("pin_ttl_s", pin_ttl_s), ("check_s", check_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"ContextMover: {name} must be finite and > 0, got {value!r}")
+        self.router, self.clients = router, clients
+        self.pin_ttl_s, self.check_s = pin_ttl_s, check_s
+        self.stats = MoveStats()
+        self._recent: deque[tuple[int, float]] = deque(maxlen=self.window)  # (tokens, seconds) per move
+        self._inbound_blocks: dict[str, int] = {}  # destination -> blocks promised to moves in flight
+        self._m_moves = Counter(
+            "hintflow_context_moves_total",
+            "Contexts the runtime moved (or tried to) between nodes, by kind (routed, queued) and outcome "
+            "(done, failed, skipped)",
+            ["kind", "outcome"],
+            registry=registry,
+        )
+        self._m_bytes = Counter("hintflow_context_moved_bytes_total", "KV bytes moved", registry=registry)
+        self._m_seconds = Counter(
+            "hintflow_context_move_seconds_total", "Time the moves done took, summed", registry=registry
+        )
+
+    # ---- the estimate ---------------------------------------------------------------------------------
+    def s_per_token(self, src: str) -> float:
+        """Seconds per token of the recent moves; before the first, ``src``'s host reload rate."""
+        if not self._recent:
+            return self.router.host_reload_s(src)
+        return sum(s for _, s in self._recent) / max(1, sum(n for n, _ in self._recent))
+
+    def worth_it(self, num_tokens: int, recompute_s: float) -> bool:
+        """Whether copying ``num_tokens`` is expected to be quicker than recomputing them (a first move is
+        tried on faith)."""
+        if num_tokens <= 0:
+            return False
+        if not self._recent:
+            return True
+        return self.s_per_token("") * num_tokens < recompute_s
+
+    # ---- routed moves ---------------------------------------------------------------------------------
+    async def take_along(self, src: str, dst: str, session_id: str, recompute_s: float) -> bool:
+        """Move the session's context from its home ``src`` to ``dst``, where its turn was routed, if both
+        are embedded nodes and the copy pays; whether it moved (if not, the turn runs cold on ``dst``)."""
+        num_tokens = self.router.session_tokens(src, session_id)
+        if not self._embedded(src, dst) or not num_tokens:
+            return False
+        if not self.worth_it(num_tokens, recompute_s):
+            self.stats.num_skipped += 1
+            self._m_moves.labels("routed", "skipped").inc()
+            return False
+        return await self._move("routed", src, dst, session_id, 0) is not None
+
+    # ---- queued moves ---------------------------------------------------------------------------------
+    async def run_turn(
+        self,
+        address: str,
+        session_id: str,
+        program_id: str,
+        prompt: list[int],
+        max_new_tokens: int,
+        sent_to: Callable[[str], None],
+    ) -> GenerateResult:
+        """Run the turn on ``address``, moving it (with its context) to a node with room while it waits.
+        ``sent_to(node)`` is called each time the turn is sent anew (after a move, or back after a failed
+        one): errors raised from here are the call's on the node last named."""
+        if not self._embedded(address) or len(self.clients) < 2:  # nowhere to move it
+            return await self.clients[address].generate(prompt, max_new_tokens, session_id, program_id)
+        t0 = time.monotonic()
+        num_moves = 0
+        while True:
+            call = asyncio.ensure_future(self._generate(address, prompt, max_new_tokens, session_id, program_id))
+            landed_s = time.monotonic()
+            state = self.router.node_state(address)
+            landed_version = state.version if state is not None else 0
+            dst = None
+            try:
+                while dst is None:
+                    done, _ = await asyncio.wait({call}, timeout=self.check_s)
+                    if done:
+                        res = call.result()
+                        if num_moves:  # the turn's wait began at its first node
+                            lost_s = landed_s - t0
+                            res.ttft_s += lost_s
+                            res.queue_wait_s += lost_s
+                        return res
+                    dst = self._queued_target(
+                        address, session_id, prompt, max_new_tokens, landed_s, landed_version, num_moves
+                    )
+            except BaseException:  # the activity was cancelled, or the check failed: no call left behind
+                call.cancel()
+                raise
+            call.cancel()  # the node aborts the waiting request; its context stays parked there
+            await asyncio.wait({call})
+            if not call.cancelled():  # it finished (or failed) before the cancel reached it
+                return call.result()
+            num_moves += 1
+            self.router.finished(address, session_id)
+            need = self._need_blocks(dst, len(prompt) + max_new_tokens)
+            self._inbound_blocks[dst] = self._inbound_blocks.get(dst, 0) + need
+            try:
+                moved = await self._move("queued", address, dst, session_id, num_moves)
+            finally:
+                self._inbound_blocks[dst] -= need
+            if moved is not None:
+                address = dst
+            # (else it goes back to its own node, where its context still is)
+            sent_to(address)
+
+    async def _generate(
+        self, address: str, prompt: list[int], max_new_tokens: int, session_id: str, program_id: str
+    ) -> GenerateResult:
+        """The call on ``address``.  After a failed move, a node may not have ended the move's lease on the
+        session yet (it lets go in the stream's ``finally``, an instant after the mover gave up) and refuses
+        the turn, ``FAILED_PRECONDITION`` "being moved": retried for up to ``abort_wait_s``."""
+        deadline_s = time.monotonic() + self.abort_wait_s
+        while True:
+            try:
+                return await self.clients[address].generate(prompt, max_new_tokens, session_id, program_id)
+            except grpc.aio.AioRpcError as exc:
+                moving = exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "being moved" in (exc.details() or "")
+                if not moving or time.monotonic() >= deadline_s:
+                    raise
+            await asyncio.sleep(0.01)
+
+    def _queued_target(
+        self, address: str, session_id: str, prompt: list[int], max_new_tokens: int, landed_s: float,
+        landed_version: int, num_moves: int,
+    ) -> str | None:
+        res = self.router.residency(address, session_id)
+        state = self.router.node_state(address)
+        if res is None or state is None or res.state != "waiting":
+            return None
+        turn = QueuedTurn(
+            session_id=session_id,
+            node=address,
+            waited_s=time.monotonic() - landed_s,
+            passed_over=state.version > landed_version,  # a state taken since it landed still shows it waiting
+            context_tokens=res.device_tokens + res.host_tokens,
+            need_tokens=len(prompt) + max_new_tokens,
+            num_moves=num_moves,
+        )
+        rooms = [r for a in self.clients if a != address and self._embedded(a) and (r := self._room(a)) is not None]
+        return move_target(turn, rooms, self.s_per_token(address))
+
+    def _room(self, address: str) -> NodeRoom | None:
+        st = self.router.node_state(address)
+        if st is None:
+            return None
+        room = st.free_blocks - self._inbound_blocks.get(address, 0)
+        return NodeRoom(address, st.num_waiting, _UNBOUNDED_SLOTS, room, max(1, st.block_size))
+
+    def _need_blocks(self, address: str, num_tokens: int) -> int:
+        st = self.router.node_state(address)
+        return -(-num_tokens // max(1, st.block_size if st is not None else 16))
+
+    # ---- both -----------------------------------------------------------------------------------------
+    def _embedded(self, *addresses: str) -> bool:
+        return all(isinstance(self.clients.get(a), EngineClient) for a in addresses)
+
+    async def _move(self, kind: str, src: str, dst: str, session_id: str, attempt: int) -> ContextMove | None:
+        src_client, dst_client = self.clients[src], self.clients[dst]
+        assert isinstance(src_client, EngineClient) and isinstance(dst_client, EngineClient)
+        deadline_s = time.monotonic() + self.abort_wait_s
+        while True:
+            try:
+                move = await move_context(src_client, dst_client, session_id, pin_ttl_s=self.pin_ttl_s)
+                break
+            except ContextMoveError as exc:
+                if exc.move is not None:  # committed at the destination; only the source's drop failed
+                    move = exc.move
+                    logger.info("session %s: moved %s -> %s, the source kept a copy (%s)", session_id, src,
+                                dst, exc)
+                    break
+                if (
+                    kind == "queued"
+                    and exc.phase == "export"
+                    and exc.code == grpc.StatusCode.FAILED_PRECONDITION
+                    and time.monotonic() < deadline_s
+                ):  # the cancelled request is not aborted on the node yet: its session is still waiting
+                    await asyncio.sleep(0.01)
+                    continue
+                self.stats.num_failed += 1
+                self._m_moves.labels(kind, "failed").inc()
+                logger.info("session %s: context not moved %s -> %s (%s)", session_id, src, dst, exc)
+                return None
+        self.stats.num_moves += 1
+        self.stats.num_queued_moves += kind == "queued"
+        self.stats.num_tokens += move.num_tokens
+        self.stats.num_bytes += move.num_bytes
+        self.stats.move_s += move.elapsed_s
+        self._recent.append((move.num_tokens, move.elapsed_s))
+        self._m_moves.labels(kind, "done").inc()
+        self._m_bytes.inc(move.num_bytes)
+        self._m_seconds.inc(move.elapsed_s)
+        return move
