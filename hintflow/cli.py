@@ -649,7 +649,33 @@ def worker(
     type=click.IntRange(min=16),
     default=256,
     show_default=True,
-    help="Device KV blocks of the local node (16 tokens each).",
+    help="Device KV blocks of each local node (16 tokens each).",
+)
+@click.option(
+    "--nodes",
+    "num_nodes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Local torch engine nodes to start (without --engines).",
+)
+@click.option(
+    "--routing",
+    default=None,
+    help="Routing rule: hintflow, llm-d, session, round-robin.  [default: session for vllm-default, else hintflow]",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seeds each program's random draws (its text, tool times): the same seed runs the same programs.",
+)
+@click.option(
+    "--migrate/--no-migrate",
+    default=None,
+    help="Move contexts between embedded nodes: with a session the router sends elsewhere, and with a turn "
+    "queued on its node to a node with room.  [default: on for hintflow]",
 )
 @click.option(
     "--set",
@@ -672,6 +698,7 @@ def run(
     json_out: str | None,
     sets: tuple[str, ...],
     num_device_blocks: int,
+    num_nodes: int,
     **kw: Any,
 ) -> None:
     """Start N programs of EXAMPLE (coding-agent, pipeline, human-in-loop) and report each turn."""
@@ -691,10 +718,20 @@ def run(
     if problems:
         raise click.BadParameter("; ".join(problems), param_hint="--set")
     _check_cost_model(kw.get("cost_model"))
+    if kw["routing"] is not None:
+        from orchestrator import ROUTING_POLICIES
+
+        if kw["routing"] not in ROUTING_POLICIES:
+            raise click.BadParameter(
+                f"unknown routing {kw['routing']!r}; known: {', '.join(sorted(ROUTING_POLICIES))}",
+                param_hint="--routing",
+            )
     cfg = RunConfig(example=example, overrides=overrides, **kw)
     status = 0
     try:
-        report = asyncio.run(run_programs(cfg, temporal, engines, num_device_blocks=num_device_blocks))
+        report = asyncio.run(
+            run_programs(cfg, temporal, engines, num_device_blocks=num_device_blocks, num_nodes=num_nodes)
+        )
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run cancelled the run and what it started
         click.echo("hintflow run: interrupted", err=True)
         _exit_after_temporal(130)  # (not interpreter exit: the Temporal SDK can abort there)
@@ -781,7 +818,92 @@ def _run_table(r: dict[str, Any]) -> str:
         f"{r['across_turn_hit_rate']:.1%}, recomputed {r['recomputed_tokens']} tokens, pins placed "
         f"{r['pins_placed']} (held to the next turn {r['pins_held']}, expired {r['pins_expired']}), wall {r['wall_s']:.1f} s"
     )
+    if r.get("migrate"):
+        lines.append(
+            f"migrations: {r['migrations']} ({r['migrated_tokens']} tokens, {r['migrated_bytes'] / 2**20:.1f} MiB, "
+            f"{r['migration_s']:.2f} s), failed {r['migrations_failed']}, recomputed instead "
+            f"{r['migrations_skipped']}"
+        )
     return "\n".join(lines)
+
+
+@hintflow.command("soak")
+@click.option(
+    "--minutes",
+    type=click.FloatRange(min=0.0, min_open=True),
+    required=True,
+    help="How long programs arrive.",
+)
+@click.option("--nodes", "num_nodes", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--workers", "num_workers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--rate",
+    "rate_per_s",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Programs started per second (Poisson arrivals).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the arrivals and the chaos.")
+@click.option(
+    "--chaos-interval-s",
+    type=click.FloatRange(min=0.0),
+    default=20.0,
+    show_default=True,
+    help="Mean seconds between chaos events (each 0.5-1.5x it); 0: no chaos.",
+)
+@click.option(
+    "--device-blocks",
+    "num_device_blocks",
+    type=click.IntRange(min=64),
+    default=64,
+    show_default=True,
+    help="Device KV blocks per node (16 tokens; the longest program needs ~54).",
+)
+@click.option(
+    "--host-blocks", "num_host_blocks", type=click.IntRange(min=0), default=64, show_default=True,
+    help="Host-tier KV blocks per node.",
+)  # fmt: skip
+@click.option("--policy", default="hintflow", show_default=True, help=_POLICY_HELP)
+@click.option(
+    "--drain-timeout-s",
+    type=click.FloatRange(min=0.0),
+    default=300.0,
+    show_default=True,
+    help="After the arrivals, how long the programs still running may take to finish.",
+)
+@click.option(
+    "--task-queue", default=None, help="The workers' task queue (also in node ids).  [default: random]"
+)
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Children's logs.  [default: a temp dir]",
+)
+@click.option(
+    "--temporal", default=None, help="Temporal frontend HOST:PORT.  [default: start a local dev server]"
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def soak(as_json: bool, **kw: Any) -> None:
+    """Programs arrive on Temporal and torch nodes while nodes and workers are SIGKILLed and restarted.
+
+    Exit status 0 only if every program finished and every node's pool is whole at the end."""
+    import asyncio
+    import logging
+
+    from hintflow._soak import SoakConfig, format_report, run_soak
+
+    _check_policy(kw["policy"])
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        status, report = asyncio.run(run_soak(SoakConfig(**kw), lambda line: click.echo(line, err=True)))
+    except Exception as exc:
+        click.echo(f"hintflow soak: {_failure_text(exc)}", err=True)
+        _exit_after_temporal(1)
+    if report is not None:
+        click.echo(json.dumps(report) if as_json else format_report(report))
+    _exit_after_temporal(status)
 
 
 @engine.command(
