@@ -98,6 +98,9 @@ class Pipeline:
             done, pending = await workflow.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in pending:
                 t.cancel()
+            # Collect the cancelled workers' outcomes: unread, each would log "Task exception was never
+            # retrieved" when collected (a cancellation is no error of the program's).
+            await asyncio.gather(*pending, return_exceptions=True)
             results = [next(iter(done)).result()]
         with session("reviewer"):
             review = system("reviewer") + [tok for r in results for tok in r[-inp.output_tokens :]]
