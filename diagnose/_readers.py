@@ -284,7 +284,7 @@ def _kind_of(obj: Any) -> str:
     return "?"
 
 
-_GENERATOR_NAMES = ("swe-agent", "multi-agent", "human-in-loop")  # replay.GENERATORS, without importing it
+_GENERATOR_NAMES = ("swe-agent", "multi-agent", "human-in-loop", "skewed")  # replay.GENERATORS, without importing it
 _DESCRIBE = {"recorded": "a recorded turn", "replay": "a replay trace program", "otel": "an OpenTelemetry span",
              "usage-log": "a provider usage record"}
 

@@ -154,3 +154,10 @@ def test_a_replay_trace_and_a_generator_are_diagnosed_with_what_they_carry(tmp_p
     # the first turns of different programs share the generator's system prompt: "could have been cached"
     firsts = [f for f in gen.facts if f.index == 0]
     assert sum(f.could_cache_tokens > 0 for f in firsts) == len(firsts) - 1
+
+
+def test_every_replay_generator_can_be_diagnosed_by_name() -> None:
+    import replay
+    from diagnose._readers import _GENERATOR_NAMES
+
+    assert set(_GENERATOR_NAMES) == set(replay.GENERATORS)
