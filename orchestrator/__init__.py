@@ -4,6 +4,7 @@ Plain Python with no Temporal, gRPC, torch or engine_adapter import, so the same
 the Temporal interceptor) and in trace-driven replay on virtual time.
 """
 
+from orchestrator._addressing import hints_by_node
 from orchestrator._graph import (
     JoinKind,
     ProgramGraph,
@@ -100,6 +101,7 @@ __all__ = [
     "default_prefill_s",
     "get_policy",
     "get_routing_policy",
+    "hints_by_node",
     "move_target",
     "parse_options",
     "parse_policy_spec",

@@ -28,13 +28,12 @@ import functools
 import heapq
 import itertools
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapter import Request, Session, VirtualClock
-from hints import MAX_HORIZON_S, EvictionOrder, HintModel, NextUse, Pin, Release
+from hints import MAX_HORIZON_S, EvictionOrder, HintModel, NextUse, Pin
 from orchestrator import (
     POLICIES,
     HintPolicy,
@@ -48,6 +47,7 @@ from orchestrator import (
     ToolStarted,
     TurnEnded,
     TurnStarted,
+    hints_by_node,
 )
 from replay._migration import Migrator
 from replay._nodes import NodeSpec, NodeTotals, SimNode, build_nodes
@@ -244,32 +244,16 @@ class Simulation:
         return out
 
     def publish(self, hints: Sequence[HintModel]) -> None:
-        """Route hints like ``HintRuntime.publish``: by session's node, Release everywhere."""
-        per_node: dict[str, list[HintModel]] = defaultdict(list)
-        every = [n.address for n in self.nodes]
-        for h in hints:
-            if isinstance(h, Release):
-                for a in every:
-                    per_node[a].append(h)
-            elif isinstance(h, EvictionOrder):
-                split: dict[str, list[Any]] = defaultdict(list)
-                for e in h.entries:
-                    for a in self._nodes_for(e.session_id, every):
-                        split[a].append(e)
-                for a, entries in split.items():
-                    per_node[a].append(EvictionOrder(entries=entries))
-            else:
-                for a in self._nodes_for(getattr(h, "session_id", ""), every):
-                    per_node[a].append(h)
-        for a, batch in per_node.items():
+        """Send each hint to the node(s) it concerns, by the live runtime's rule (``hints_by_node``)."""
+        def node_of(session_id: str) -> str | None:
+            s = self.live.get(session_id)
+            return s.node if s is not None and s.node else None
+
+        for a, batch in hints_by_node(hints, node_of, [n.address for n in self.nodes]).items():
             node = self.by_address[a]
             node.engine.apply_hints(batch)
             node.account(self.now)
             node.kick(self.now, self.at, self._step_end)
-
-    def _nodes_for(self, session_id: str, every: list[str]) -> list[str]:
-        s = self.live.get(session_id)
-        return [s.node] if s is not None and s.node else every
 
     def _schedule_tick(self) -> None:
         if not self._tick_pending and self._in_tool and self.config.hint_policy != "vllm-default":

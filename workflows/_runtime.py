@@ -48,7 +48,7 @@ import functools
 import logging
 import math
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +89,7 @@ from orchestrator import (
     TurnEnded,
     TurnStarted,
     get_policy,
+    hints_by_node,
 )
 from workflows._api import LLMInput, LLMResult, decode_text
 from workflows._context_moves import ContextMover
@@ -671,40 +672,26 @@ class HintRuntime:
         return out
 
     # ---- hints out ----------------------------------------------------------------------------------
-    def _nodes_for(self, session_id: str) -> list[str]:
+    def _node_of(self, session_id: str) -> str | None:
+        """The node the session's hints go to: where its last turn ran (None: unknown, every node)."""
         s = self.sessions.get(session_id)
-        return [s.node] if s is not None and s.node in self.publishers else list(self.publishers)
+        return s.node if s is not None and s.node in self.publishers else None
 
     def publish(self, hints: Sequence[HintModel]) -> list[HintModel]:
         """Send each hint to the node(s) it concerns; a user policy's are validated again first (see
         :meth:`_valid`).  Returns the hints that passed."""
         hints = list(hints) if self._policy_validates else self._valid(hints)
-        per_node: dict[str, list[HintModel]] = defaultdict(list)
         pin_deadlines: dict[tuple[str, str], float] = {}
         for h in hints:
             self._m_hints.labels(h.kind).inc()
-            if isinstance(h, Release):
-                for addr in self.publishers:
-                    per_node[addr].append(h)
-            elif isinstance(h, EvictionOrder):
-                split: dict[str, list[Any]] = defaultdict(list)
-                for e in h.entries:
-                    for addr in self._nodes_for(e.session_id):
-                        split[addr].append(e)
-                for addr, entries in split.items():
-                    per_node[addr].append(EvictionOrder(entries=entries))
-            else:
-                sid = getattr(h, "session_id", "")
-                if isinstance(h, Pin) and h.ttl_s > 0.0:
-                    # The node's lease runs from receipt, never before now: now + ttl is a lower bound of
-                    # its deadline, so "held" in the stats is never claimed for a pin the node let go.
-                    pin_deadlines[(sid, h.reason)] = time.monotonic() + h.ttl_s
-                for addr in self._nodes_for(sid):
-                    per_node[addr].append(h)
+            if isinstance(h, Pin) and h.ttl_s > 0.0:
+                # The node's lease runs from receipt, never before now: now + ttl is a lower bound of its
+                # deadline, so "held" in the stats is never claimed for a pin the node let go.
+                pin_deadlines[(h.session_id, h.reason)] = time.monotonic() + h.ttl_s
         if not self._started:
             return hints  # a late activity after stop(): nothing to deliver to
         self._pin_deadline_at_send.update(pin_deadlines)
-        for addr, batch in per_node.items():
+        for addr, batch in hints_by_node(hints, self._node_of, list(self.publishers)).items():
             self.publishers[addr].publish(batch)
         return hints
 
