@@ -298,7 +298,11 @@ async def test_export_import_between_nodes(node: RunningNode, client: EngineClie
             assert on_b.num_cached_tokens > 0 and on_b.token_ids == on_a.token_ids
             with pytest.raises(ContextMoveError) as failed:  # another model's node refuses the header
                 await move_context(client, c, "mig")
-            assert failed.value.phase == "import" and failed.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            # The node refuses with FAILED_PRECONDITION; a chunk written as it ends the call can turn the
+            # status the mover sees into INTERNAL (docs/failures.md).  Either way nothing moved.
+            assert failed.value.phase == "import"
+            assert failed.value.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL)
+            assert "mig" not in {r.session_id for r in (await c.get_cache_state(include_sessions=True)).sessions}
             with pytest.raises(ContextMoveError) as failed:
                 await move_context(b, client, "never-seen")
             assert failed.value.phase == "export" and failed.value.code == grpc.StatusCode.NOT_FOUND

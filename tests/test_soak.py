@@ -73,9 +73,9 @@ async def test_under_chaos_every_program_finishes_every_pool_is_whole_and_no_chi
     temporal_env: Any, tmp_path: Path
 ) -> None:
     token = f"soak-test-{uuid.uuid4().hex[:8]}"
-    # 18 s of arrivals, a chaos event every 1.5-4.5 s: the deck deals a node kill, a worker kill and a cut (a
-    # node kill when no context is moving within 3 s) in the first three events, at most 16.5 s in.
-    p = _spawn_soak(temporal_env, tmp_path, token, "--minutes", "0.3", "--chaos-interval-s", "3", "--json")
+    # 12 s of arrivals, a chaos event every 1-3 s: the deck deals a node kill, a worker kill and a cut (a
+    # node kill when no context is moving within 2 s) in the first three events, at most 11 s in.
+    p = _spawn_soak(temporal_env, tmp_path, token, "--minutes", "0.2", "--chaos-interval-s", "2", "--json")
     children: dict[int, str] = {}
     try:
         await asyncio.wait_for(_watch_children(p, token, children, tmp_path / "soak.err"), 200)
