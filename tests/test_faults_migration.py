@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import re
 import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +37,7 @@ import pytest_asyncio
 
 from hints import CacheState, ContextMoveError, EngineClient, Release, move_context
 from tests.conftest import SMALL_MODEL
+from tests.engine_support import spawn_node
 
 BLOCK_SIZE = SMALL_MODEL["block_size"]
 BLOCK_NBYTES = (  # layers x K/V x tokens x KV heads x head dim x float32
@@ -70,26 +68,11 @@ class NodeProcess:
 
 
 async def _serve(node_id: str, log_dir: Path, timeout_s: float = 60.0) -> NodeProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.update({f"HINTFLOW_MODEL__{k.upper()}": str(v) for k, v in SMALL_MODEL.items()})  # one fingerprint
-    log = log_dir / f"{node_id}-{uuid.uuid4().hex[:6]}.log"
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hintflow", "engine", "serve", "--executor", "torch", "--node-id", node_id,
-             "--port", "0", "--metrics-port", "-1", "--num-device-blocks", str(NUM_DEVICE_BLOCKS)],
-            stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-        )  # fmt: skip
-    assert proc.stdout is not None
-    line = ""
-    try:
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout_s)
-    finally:
-        if "serving on" not in line:
-            proc.kill()
-            proc.wait()
-    m = re.fullmatch(r"hintflow engine node \S+ serving on (\S+) \(metrics off\)\n", line)
-    assert m is not None, f"node {node_id} did not start ({line!r}):\n{log.read_text()[-3000:]}"
-    return NodeProcess(proc, m.group(1))
+    model = {f"HINTFLOW_MODEL__{k.upper()}": str(v) for k, v in SMALL_MODEL.items()}  # one fingerprint
+    proc, address, _ = await spawn_node(
+        node_id, log_dir, num_device_blocks=NUM_DEVICE_BLOCKS, env=model, timeout_s=timeout_s
+    )
+    return NodeProcess(proc, address)
 
 
 @pytest_asyncio.fixture

@@ -20,12 +20,9 @@ What must hold (issue 18, item 4):
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import re
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection
@@ -41,11 +38,11 @@ from temporalio.worker import Worker
 
 from hints import CacheState, EngineClient, HintAck, HintModel, Pin
 from orchestrator import NoNodeAvailable, RouteDecision, RouteRequest
+from tests.engine_support import spawn_node
 from workflows import HintflowPlugin, HintRuntime, LLMResult, ToolResult, llm, pause, tool
 from workflows._api import LLM_ACTIVITY
 from workflows._publisher import node_client
 
-CLI = [sys.executable, "-m", "hintflow"]
 NUM_BLOCKS = 512  # 16-token blocks: 8,192 tokens a node, room for every program's context at once
 LONG_TURN = 1000  # output tokens of the turn a node dies in: a few seconds of decoding on 2 cores
 RECOVERY_BOUND_S = 25.0
@@ -132,27 +129,10 @@ def _free_port() -> int:
 
 async def _serve(node_id: str, log_dir: Path, port: int = 0, timeout_s: float = 60.0) -> NodeProcess:
     """Start a torch node (the default tiny model) and wait for its "serving on" line."""
-    log = log_dir / f"{node_id}-{uuid.uuid4().hex[:6]}.log"
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            [*CLI, "engine", "serve", "--executor", "torch", "--node-id", node_id, "--port", str(port),
-             "--metrics-port", "-1", "--num-device-blocks", str(NUM_BLOCKS)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-    assert proc.stdout is not None
-    line = ""
-    try:
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout_s)
-    finally:
-        if "serving on" not in line:
-            proc.kill()
-            proc.wait()
-    m = re.fullmatch(r"hintflow engine node \S+ serving on (\S+) \(metrics off\)\n", line)
-    assert m is not None, f"node {node_id} did not start ({line!r}):\n{log.read_text()[-3000:]}"
-    return NodeProcess(proc, m.group(1), log)
+    proc, address, log = await spawn_node(
+        node_id, log_dir, num_device_blocks=NUM_BLOCKS, port=port, timeout_s=timeout_s
+    )
+    return NodeProcess(proc, address, log)
 
 
 def _kill(*nodes: NodeProcess | None) -> None:

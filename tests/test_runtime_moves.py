@@ -135,7 +135,7 @@ async def test_a_failed_move_leaves_the_context_usable_at_its_source(start_engin
         if why == "destination down":
             await b.stop()
         assert rt.mover is not None
-        moved = await rt.mover.take_along(a.address, b.address, "s2", recompute_s=1.0)
+        moved = await rt.mover.take_along(a.address, b.address, "s2", recompute_s=lambda n: 1.0)
         assert not moved
         assert (rt.mover.stats.num_moves, rt.mover.stats.num_failed) == (0, 1)
         # Still whole at the source: the next turn there finds every token.

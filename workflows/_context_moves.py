@@ -91,29 +91,34 @@ class ContextMover:
         )
 
     # ---- the estimate ---------------------------------------------------------------------------------
+    def _measured_s_per_token(self) -> float | None:
+        """Seconds per token of the recent moves (None before the first)."""
+        if not self._recent:
+            return None
+        return sum(s for _, s in self._recent) / max(1, sum(n for n, _ in self._recent))
+
     def s_per_token(self, src: str) -> float:
         """Seconds per token of the recent moves; before the first, ``src``'s host reload rate."""
-        if not self._recent:
-            return self.router.host_reload_s(src)
-        return sum(s for _, s in self._recent) / max(1, sum(n for n, _ in self._recent))
+        measured = self._measured_s_per_token()
+        return measured if measured is not None else self.router.host_reload_s(src)
 
     def worth_it(self, num_tokens: int, recompute_s: float) -> bool:
         """Whether copying ``num_tokens`` is expected to be quicker than recomputing them (a first move is
         tried on faith)."""
-        if num_tokens <= 0:
-            return False
-        if not self._recent:
-            return True
-        return self.s_per_token("") * num_tokens < recompute_s
+        measured = self._measured_s_per_token()
+        return num_tokens > 0 and (measured is None or measured * num_tokens < recompute_s)
 
     # ---- routed moves ---------------------------------------------------------------------------------
-    async def take_along(self, src: str, dst: str, session_id: str, recompute_s: float) -> bool:
+    async def take_along(
+        self, src: str, dst: str, session_id: str, recompute_s: Callable[[int], float]
+    ) -> bool:
         """Move the session's context from its home ``src`` to ``dst``, where its turn was routed, if both
-        are embedded nodes and the copy pays; whether it moved (if not, the turn runs cold on ``dst``)."""
+        are embedded nodes and the copy beats ``recompute_s(tokens)``; whether it moved (if not, the turn
+        runs cold on ``dst``)."""
         num_tokens = self.router.session_tokens(src, session_id)
         if not self._embedded(src, dst) or not num_tokens:
             return False
-        if not self.worth_it(num_tokens, recompute_s):
+        if not self.worth_it(num_tokens, recompute_s(num_tokens)):
             self.stats.num_skipped += 1
             self._m_moves.labels("routed", "skipped").inc()
             return False
