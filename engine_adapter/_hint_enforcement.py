@@ -55,7 +55,14 @@ def apply_hint(core: EngineCore, i: int, h: HintModel | HintDecodeError) -> Hint
             raise NotFound(f"{len(unknown)} unknown session(s), e.g. {unknown[0]!r}; the others were applied")
         return HintResult(index=i)
     if isinstance(h, Priority):
-        sessions = [core._session(h.session_id)]
+        # The orchestrator sends a turn's Priority as it routes the turn, so it may come just before the
+        # turn's request: with its program named, it records the session (no blocks) and the turn queues
+        # in its program's place.  (Before, it was NOT_FOUND and a session new to this node queued as the
+        # youngest program's, behind every other: 50-70 s in `hintflow demo`.)  A Release frees the record.
+        first = core.kv.get_or_create(h.session_id, h.program_id) if h.program_id else core._session(h.session_id)
+        if h.program_id and first.program_id != h.program_id:
+            raise InvalidArgument(f"session {h.session_id!r} belongs to program {first.program_id!r}, not {h.program_id!r}")
+        sessions = [first]
         if h.program_id:
             sessions += [core.kv.sessions[sid] for sid in core.kv.programs.get(h.program_id, ())]
         for s in sessions:

@@ -15,7 +15,7 @@ from engine_adapter import (
     VirtualClock,
     make_torch_executor,
 )
-from hints import Pin, Priority
+from hints import Pin, Priority, Release
 
 
 def make_core(blocks: int = 64, host: int = 0, **sched: int) -> EngineCore:
@@ -379,3 +379,35 @@ def test_pins_of_younger_programs_yield_to_an_older_programs_waiting_turn(yield_
     core.run_until_idle()
     assert old.first_token_s is not None
     core.check_invariants()
+
+
+def test_a_priority_that_comes_before_its_turn_places_the_turn_in_its_programs_order() -> None:
+    # The orchestrator sends a turn's Priority as it routes the turn, so on a node new to the session the
+    # hint can come first.  It records the session (no blocks), and the turn then queues as its old
+    # program's, ahead of a younger program's turn that arrived before it.
+    core = make_core(max_num_seqs=1)
+    clock = core.clock
+    assert isinstance(clock, VirtualClock)
+    rng = random.Random(11)
+    core.submit(rand_tokens(rng, 8), 1, session_id="young", program_id="py")
+    core.run_until_idle()
+    clock.advance_to(10.0)
+    assert all(r.ok for r in core.apply_hints([Priority(session_id="young", program_id="py", program_age_s=0.0)]))
+    blocker = core.submit(rand_tokens(rng, 8), 50, session_id="blocker", program_id="pb")
+    core.step()
+    order: list[str] = []
+
+    def note(req: Request, toks: list[int], done: bool) -> None:
+        if done:
+            order.append(req.session.session_id)
+
+    core.submit(rand_tokens(rng, 8), 1, session_id="young", on_event=note)
+    ack = core.apply_hints([Priority(session_id="moved", program_id="po", program_age_s=60.0)])
+    assert ack[0].ok and core.kv.sessions["moved"].block_ids == []
+    core.submit(rand_tokens(rng, 8), 1, session_id="moved", program_id="po", on_event=note)
+    core.run_until_idle()
+    assert blocker.output and order == ["moved", "young"]
+    # Without its program a hint still names a session the node must know; a program clash is refused.
+    assert not core.apply_hints([Priority(session_id="ghost", program_age_s=1.0)])[0].ok
+    assert not core.apply_hints([Priority(session_id="moved", program_id="other", program_age_s=1.0)])[0].ok
+    assert core.apply_hints([Release(program_id="po")])[0].ok and "moved" not in core.kv.sessions

@@ -309,7 +309,11 @@ def test_priority_hint_reorders_the_queue(node: Node) -> None:
     # The orchestrator says y's program started an hour ago: y goes first.
     hint = Priority(session_id="y", program_id="py", program_age_s=3600)
     assert _queue_order(node, "2", hint) == ["blocker2", "y", "x"]
-    node.hints(*(Release(program_id=p) for p in ("px", "py", "pblocker1", "pblocker2")))
+    # A turn's Priority that comes before its request (a session new to this node) is recorded, not lost.
+    early = node.hints(Priority(session_id="z", program_id="pz", program_age_s=60))
+    assert early.results[0].ok, early.results[0].message
+    assert not node.hints(Priority(session_id="z", program_id="other", program_age_s=1)).results[0].ok
+    node.hints(*(Release(program_id=p) for p in ("px", "py", "pz", "pblocker1", "pblocker2")))
 
 
 def test_a_turn_whose_context_is_pinned_goes_ahead_of_an_older_program(node: Node) -> None:

@@ -235,7 +235,9 @@ class _ActivityInbound(ActivityInboundInterceptor):
             # Someone else's model call (openai_agents): estimate tokens from the size of its input.
             ctx = len(arg.prompt_token_ids) if isinstance(arg, LLMInput) else len(repr(arg)) // 4
             call = f"{info.workflow_run_id}/{info.activity_id}"  # the same for each retry of this call
-            rt.turn_started(program_id, session_id, ctx, info.workflow_type or "", call)
+            # hintflow's own model call routes in ``generate``: the turn's hints go to the node it picks.
+            routed = info.activity_type == LLM_ACTIVITY and isinstance(arg, LLMInput)
+            rt.turn_started(program_id, session_id, ctx, info.workflow_type or "", call, routed=routed)
             try:
                 result = await self.next.execute_activity(input)
             except BaseException:

@@ -50,7 +50,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -155,6 +155,10 @@ class _SessionInfo:
     in_turn: bool = False  # TurnStarted was fed and no TurnEnded yet (a failed attempt is retried)
     failed_attempt: str = ""  # the model call whose attempt failed last: its retry is the same turn
     tools_running: int = 0  # tool activities of this session running now (parallel tools: one pause)
+    # The hints the policy returned on this turn's TurnStarted (its Priority), when ``generate`` routes the
+    # turn: they go to each node the turn is placed on, not to where its last turn ran (a node that never
+    # saw the program would queue the turn as a new program's: behind every other program's turns).
+    turn_hints: list[HintModel] = field(default_factory=list)
 
 
 class HintRuntime:
@@ -492,10 +496,19 @@ class HintRuntime:
         self._live_program(program_id, time.monotonic())
 
     def turn_started(
-        self, program_id: str, session_id: str, context_tokens: int, workflow: str = "", call: str = ""
+        self,
+        program_id: str,
+        session_id: str,
+        context_tokens: int,
+        workflow: str = "",
+        call: str = "",
+        *,
+        routed: bool = False,
     ) -> None:
         """A model-call attempt starts.  ``call`` names the model call (e.g. its activity id): a retry of
-        the call whose attempt failed last is the same turn, and the policy is not told again."""
+        the call whose attempt failed last is the same turn, and the policy is not told again.
+        ``routed``: the call goes through :meth:`generate`, which sends the turn's hints to the node it
+        picks; otherwise they go where the session's last turn ran."""
         now = time.monotonic()
         p = self._live_program(program_id, now)
         self._activity(program_id, +1)
@@ -514,7 +527,10 @@ class HintRuntime:
             s.pin_deadline_s, s.pin_node = None, None
         self.pin_outcomes.setdefault(session_id, []).append(outcome)
         self._close_pause(s, session_id, now)
-        self._feed(TurnStarted(program_id, session_id, now, context_tokens, workflow))
+        ev = TurnStarted(program_id, session_id, now, context_tokens, workflow)
+        s.turn_hints = self._feed(ev, publish=False) if routed else []
+        if not routed:
+            self._feed(ev)
 
     def _pin_lost(self, s: _SessionInfo) -> bool:
         """The node that acked the session's pin is down, or has restarted since (a new epoch): the pin
@@ -634,15 +650,17 @@ class HintRuntime:
             del self.pin_outcomes[sid]
 
     def _feed(self, event: Any, *, publish: bool = True) -> list[HintModel]:
-        """Tell the policy; publish what it returns (validated; ``publish=False``: nothing); return what
-        was published."""
+        """Tell the policy; publish what it returns (validated) and return what was published;
+        ``publish=False``: return what it returned, unsent."""
         kind = type(event).__name__
         if kind != "Tick":
             self.events.append(event)
             self._m_events.labels(kind).inc()
         try:
             hints = self.policy.on_event(event)
-            return self.publish(hints) if hints and publish else []
+            if not publish:
+                return list(hints or [])
+            return self.publish(hints) if hints else []
         except Exception:  # a policy bug must not fail the user's activity
             logger.exception("policy %s failed on %s", getattr(self.policy, "name", "?"), kind)
             return []
@@ -728,6 +746,12 @@ class HintRuntime:
                 s.pin_node = (node, ack.node_epoch) if node is not None else None
 
     # ---- model calls --------------------------------------------------------------------------------
+    def _place_turn_hints(self, s: _SessionInfo) -> None:
+        """The turn's own hints to the node it was just placed on (``s.node``), before its request: a
+        Priority that lands after the request still re-sorts the queue at once."""
+        if s.turn_hints:
+            self.publish(s.turn_hints)
+
     async def generate(self, program_id: str, inp: LLMInput) -> LLMResult:
         """Route the call, run it on a node; another node is tried when the chosen one is unreachable or its
         stream breaks mid-call (the call runs again from its start there: a failover)."""
@@ -764,11 +788,13 @@ class HintRuntime:
                 self.publishers[decision.moved_from].publish([Pin(session_id=inp.session_id, ttl_s=0.0)])
             s.node = addr
             self.router.started(addr, req)
+            self._place_turn_hints(s)
 
             def sent_to(address: str, s: _SessionInfo = s, req: RouteRequest = req) -> None:
                 nonlocal addr  # a queued turn moved (or went back) to ``address``: it runs there now
                 addr = s.node = address
                 self.router.started(address, req)
+                self._place_turn_hints(s)
 
             try:
                 res: GenerateResult

@@ -145,7 +145,12 @@ def _apply(sched: HintSchedulerMixin, i: int, h: HintModel | HintDecodeError) ->
         book.release_program(h.program_id)
         return HintResult(index=i)
     if isinstance(h, Priority):
-        sessions = [_session(sched, h.session_id)]
+        # As on the embedded node (engine_adapter/_hint_enforcement.py): with its program named, a turn's
+        # Priority that comes before the turn records the session, so the turn queues in its program's place.
+        first = book.session(h.session_id, h.program_id) if h.program_id else _session(sched, h.session_id)
+        if h.program_id and first.program_id != h.program_id:
+            raise _Invalid(f"session {h.session_id!r} belongs to program {first.program_id!r}, not {h.program_id!r}")
+        sessions = [first]
         if h.program_id:
             sessions += [book.sessions[sid] for sid in book.programs.get(h.program_id, ())]
         now = book.clock()
