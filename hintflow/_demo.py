@@ -64,8 +64,6 @@ async def _run(cfg: DemoConfig, temporal: str | None) -> dict[str, Any]:
                 # hintflow nodes order by program age with a bounded head start (see SchedulerConfig)
                 program_fcfs_aging_s=None if mode == "vllm-default" else cfg.fcfs_aging_s,
                 ttft_deadline_s=None if mode == "vllm-default" else cfg.ttft_deadline_s,
-                # as the replay's hintflow row: a younger program's pin never keeps an older one waiting
-                yield_pins_to_older=mode != "vllm-default",
             ) as engines:
                 run = RunConfig(
                     example="coding-agent",

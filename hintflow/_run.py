@@ -122,7 +122,6 @@ async def local_nodes(
     program_fcfs_aging_s: float | None = None,
     ttft_deadline_s: float | None = None,
     cold_prefill_cap: bool = True,
-    yield_pins_to_older: bool = False,
 ) -> AsyncIterator[list[str]]:
     """``num_nodes`` torch engine nodes on loopback ports; stopped (and checked for leaks) on exit.
 
@@ -145,7 +144,6 @@ async def local_nodes(
                 scheduler={
                     "program_fcfs_aging_s": program_fcfs_aging_s,
                     "ttft_deadline_s": ttft_deadline_s,
-                    "yield_pins_to_older": yield_pins_to_older,
                     **({} if cold_prefill_cap else {"cold_prefill_budget_tokens": _NO_COLD_CAP}),
                 },
             )
