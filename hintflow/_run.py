@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -122,6 +122,7 @@ async def local_nodes(
     program_fcfs_aging_s: float | None = None,
     ttft_deadline_s: float | None = None,
     cold_prefill_cap: bool = True,
+    scheduler_overrides: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[list[str]]:
     """``num_nodes`` torch engine nodes on loopback ports; stopped (and checked for leaks) on exit.
 
@@ -145,6 +146,7 @@ async def local_nodes(
                     "program_fcfs_aging_s": program_fcfs_aging_s,
                     "ttft_deadline_s": ttft_deadline_s,
                     **({} if cold_prefill_cap else {"cold_prefill_budget_tokens": _NO_COLD_CAP}),
+                    **(scheduler_overrides or {}),  # any other SchedulerConfig field, by name
                 },
             )
             nodes.append(await start_node(build_engine(cfg), "127.0.0.1", 0))

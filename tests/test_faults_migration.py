@@ -25,7 +25,6 @@ import math
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import pytest_asyncio
 from hints import CacheState, ContextMoveError, EngineClient, Release, move_context
 from tests.conftest import SMALL_MODEL
 from tests.engine_support import spawn_node
+from tests.polling import until
 
 BLOCK_SIZE = SMALL_MODEL["block_size"]
 BLOCK_NBYTES = (  # layers x K/V x tokens x KV heads x head dim x float32
@@ -128,12 +128,6 @@ def _session(st: CacheState, session_id: str) -> Any:
     return next((s for s in st.sessions if s.session_id == session_id), None)
 
 
-async def _until(cond: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await cond():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(0.05)
-
 
 async def _parked(client: EngineClient, session_id: str, num_tokens: int) -> bool:
     s = _session(await client.get_cache_state(include_sessions=True), session_id)
@@ -201,7 +195,7 @@ async def test_a_mover_giving_up_after_one_chunk_leaves_the_source_holding_it(st
         )
         await chunks.aclose()  # the mover gives up: the stream is cancelled
 
-        await _until(lambda: _parked(ca, "s", n), "the source's lease ended")
+        await until(lambda: _parked(ca, "s", n), 10.0, "the source's lease ended")
         await _state(ca)
         assert await _whole(cb)  # nothing ever reached the destination
         a.core.check_invariants()
@@ -235,13 +229,13 @@ async def test_a_mover_that_hangs_mid_stream_is_given_up_after_the_stall_timeout
             s = _session(await cb.get_cache_state(include_sessions=True), "s")
             return s is not None and s.state == "running"
 
-        await _until(reserved, "the destination reserved the context's blocks", timeout_s=5.0)
-        await _until(lambda: _whole(cb), "the destination gave its reserved blocks back", timeout_s=5.0)
+        await until(reserved, 5.0, "the destination reserved the context's blocks")
+        await until(lambda: _whole(cb), 5.0, "the destination gave its reserved blocks back")
         hang.set()  # the mover wakes up to find the call ended
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             await asyncio.wait_for(importing, 10)
         assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        await _until(lambda: _parked(ca, "s", n), "the source's lease ended")
+        await until(lambda: _parked(ca, "s", n), 10.0, "the source's lease ended")
         assert await _cached(ca, "s", tokens) == n
 
 
@@ -262,7 +256,7 @@ async def test_the_destination_killed_mid_stream_the_source_keeps_the_context(
         # (a write onto the reset connection fails INTERNAL, "Internal error from Core"; a read UNAVAILABLE)
         assert failed.value.phase == "import" and failed.value.code in _CONNECTION_LOST
         assert failed.value.move is None
-        await _until(lambda: _parked(ca, "s", n), "the source's lease ended")
+        await until(lambda: _parked(ca, "s", n), 10.0, "the source's lease ended")
         await _state(ca)
         a.core.check_invariants()
         assert await _cached(ca, "s", tokens) == n
@@ -292,7 +286,7 @@ async def test_the_source_killed_mid_stream_the_destination_gives_every_block_ba
         half_made = _session(mid, "s")
         assert half_made.state == "running" and half_made.device_tokens == 0
         assert mid.total_blocks - mid.free_blocks == num_blocks
-        await _until(lambda: _whole(cb), "the destination gave its reserved blocks back")
+        await until(lambda: _whole(cb), 10.0, "the destination gave its reserved blocks back")
         await _state(cb)
         b.core.check_invariants()
 
@@ -337,7 +331,7 @@ async def test_a_mover_killed_after_the_commit_leaves_two_usable_copies(start_en
         async def unpinned() -> bool:
             return not _session(await cb.get_cache_state(include_sessions=True), "s").pinned
 
-        await _until(unpinned, "the destination's pin lapsed", timeout_s=5.0)
+        await until(unpinned, 5.0, "the destination's pin lapsed")
         st_b = await _state(cb)
         assert st_b.pinned_blocks == 0 and _session(st_b, "s").device_tokens == n  # evictable, still whole
         # Each copy serves a turn from cache; the source's copy, which a turn has extended since the export,

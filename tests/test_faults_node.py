@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from temporalio.worker import Worker
 from hints import CacheState, EngineClient, HintAck, HintModel, Pin
 from orchestrator import NoNodeAvailable, RouteDecision, RouteRequest
 from tests.engine_support import spawn_node
+from tests.polling import free_port, until
 from workflows import HintflowPlugin, HintRuntime, LLMResult, ToolResult, llm, pause, tool
 from workflows._api import LLM_ACTIVITY
 from workflows._publisher import node_client
@@ -120,12 +120,6 @@ class NodeProcess:
             return await c.get_cache_state(include_sessions=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
 
 async def _serve(node_id: str, log_dir: Path, port: int = 0, timeout_s: float = 60.0) -> NodeProcess:
     """Start a torch node (the default tiny model) and wait for its "serving on" line."""
@@ -141,14 +135,6 @@ def _kill(*nodes: NodeProcess | None) -> None:
             n.kill()
 
 
-async def _until(cond: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
-    """Poll ``cond`` every 50 ms; the monotonic time it first held."""
-    deadline = time.monotonic() + timeout_s
-    while not await cond():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(0.05)
-    return time.monotonic()
-
 
 async def _whole(node: NodeProcess, timeout_s: float = 10.0) -> None:
     """Wait until the node holds nothing: every block free, nothing pinned, queued or running."""
@@ -162,7 +148,7 @@ async def _whole(node: NodeProcess, timeout_s: float = 10.0) -> None:
         )  # fmt: skip
 
     try:
-        await _until(empty, timeout_s, f"node {node.address} whole")
+        await until(empty, timeout_s, f"node {node.address} whole")
     except AssertionError:
         raise AssertionError(f"node {node.address} not whole: {last}") from None
 
@@ -220,7 +206,7 @@ async def test_a_node_killed_mid_turn_its_turns_rerun_cold_on_the_other(
                         return True
                 return False
 
-            await _until(deep_in_a_turn, 60, "a node decoding a long turn")
+            await until(deep_in_a_turn, 60, "a node decoding a long turn")
             [(victim_addr, victims)] = in_flight.items()
             victim = nodes[victim_addr]
             survivor = b if victim is a else a
@@ -301,7 +287,7 @@ class _Spy:
 async def test_a_restarted_node_comes_back_empty_and_gets_no_hint_of_its_earlier_life(
     temporal_env: Any, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     a, b = await asyncio.gather(_serve("node-a", tmp_path, port), _serve("node-b", tmp_path))
     a2: NodeProcess | None = None
     try:
@@ -320,7 +306,7 @@ async def test_a_restarted_node_comes_back_empty_and_gets_no_hint_of_its_earlier
             async def all_waiting() -> bool:  # every first turn done, every program waiting for its person
                 return all((s := rt.sessions.get(sid)) is not None and s.tool == "human" for sid in ids)
 
-            await _until(all_waiting, 60, "every program past its first turn")
+            await until(all_waiting, 60, "every program past its first turn")
             placed = {sid: rt.sessions[sid].node for sid in ids}
             on_a = [sid for sid in ids if placed[sid] == a.address]
             assert on_a and len(on_a) < len(ids), placed  # the router spread them over both nodes
@@ -340,7 +326,7 @@ async def test_a_restarted_node_comes_back_empty_and_gets_no_hint_of_its_earlier
             async def noticed() -> bool:
                 return rt.node_health[a.address].down
 
-            await _until(noticed, 10, "the runtime noticing the dead node")
+            await until(noticed, 10, "the runtime noticing the dead node")
             # While it is down the runtime goes on making hints for the contexts it held (renewals; here more
             # than one batch of them): every one meant for the earlier life.
             spy = _Spy(rt, a.address)
@@ -354,7 +340,7 @@ async def test_a_restarted_node_comes_back_empty_and_gets_no_hint_of_its_earlier
             async def heard() -> bool:
                 return pub.node_epoch not in (0, old_epoch) and pub.num_pending == 0
 
-            await _until(heard, 15, "the runtime hearing of the new life and settling what it had queued")
+            await until(heard, 15, "the runtime hearing of the new life and settling what it had queued")
             heard_s = time.monotonic() - serving
             # It came back empty.
             st = await a2.state()
@@ -376,7 +362,7 @@ async def test_a_restarted_node_comes_back_empty_and_gets_no_hint_of_its_earlier
                     return False
                 return True
 
-            await _until(routable, 10, "the router taking the new life")
+            await until(routable, 10, "the router taking the new life")
             assert [_route_alone(rt, sid, ctx[sid], a.address).warm_tokens for sid in on_a] == [0] * len(on_a)
 
             decisions: list[tuple[RouteRequest, RouteDecision]] = []
@@ -397,7 +383,7 @@ async def test_a_restarted_node_comes_back_empty_and_gets_no_hint_of_its_earlier
             async def b_busy() -> bool:
                 return len(_in_flight(await b.state())) == len(on_b)
 
-            await _until(b_busy, 15, "the other node's programs resuming")
+            await until(b_busy, 15, "the other node's programs resuming")
             for h in handles:
                 if h.id in on_a:
                     await h.signal(Program.go)
@@ -426,7 +412,7 @@ async def test_a_node_back_from_an_outage_is_reached_when_the_runtime_asks(start
     116 s late, by old and new channels alike.  The runtime's channels (hint stream, cache-state watch,
     turns) have their own: a fresh one reaches a node that is back at once, even while another channel of
     the process to that address is still in its backoff."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     async with EngineClient(address) as other:  # gRPC's defaults: the shared connection
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await other.get_cache_state()  # the node is away: the shared backoff starts (at least 0.8 s)

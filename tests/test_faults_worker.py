@@ -16,13 +16,11 @@ import concurrent.futures
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ from temporalio.worker import Worker
 
 from hintflow._run import STICKY_QUEUE_TIMEOUT
 from hints import EngineClient, Priority, Release
+from tests.polling import free_port, until
 from workflows import MIN_HEARTBEAT_TIMEOUT, HintflowPlugin, HintPublisher, HintRuntime, llm, tool
 from workflows.examples import CodingAgent, CodingAgentInput, HumanInLoopInput, ProgramReport
 
@@ -94,14 +93,6 @@ def _kill(*procs: subprocess.Popen[str] | None) -> None:
             p.wait()
 
 
-async def _until(cond: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
-    """Poll ``cond`` every 50 ms; the monotonic time it first held."""
-    deadline = time.monotonic() + timeout_s
-    while not await cond():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(0.05)
-    return time.monotonic()
-
 
 async def _metric(address: str | None, name: str, **labels: str) -> float:
     """The sum of the node's ``/metrics`` samples called ``name`` with these labels."""
@@ -118,12 +109,6 @@ async def _metric(address: str | None, name: str, **labels: str) -> float:
                 total += s.value
     return total
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -212,7 +197,7 @@ async def test_programs_of_a_killed_worker_resume_on_another_and_the_node_is_lef
                     and await _timer_started(waiting)
                 )  # fmt: skip
 
-            await _until(in_place, 60, "a call running, a tool's context pinned, a person awaited")
+            await until(in_place, 60, "a call running, a tool's context pinned, a person awaited")
             aborted0 = await _metric(
                 node.metrics_address, "hintflow_request_success_total", finish_reason="abort"
             )
@@ -231,7 +216,7 @@ async def test_programs_of_a_killed_worker_resume_on_another_and_the_node_is_lef
                 st = await c.get_cache_state(include_sessions=True)
                 return st.num_running == 0 and st.num_waiting == 0 and st.pinned_blocks == 0
 
-            cleared = await _until(let_go, 8, "the node ending the dead worker's call and its pins")
+            cleared = await until(let_go, 8, "the node ending the dead worker's call and its pins")
             assert cleared - killed < 5.0
             aborted = await _metric(
                 node.metrics_address, "hintflow_request_success_total", finish_reason="abort"
@@ -272,7 +257,7 @@ async def test_programs_of_a_killed_worker_resume_on_another_and_the_node_is_lef
             async def released() -> bool:
                 return not (await c.get_cache_state(include_sessions=True)).sessions
 
-            await _until(released, 10, "the programs' contexts released")
+            await until(released, 10, "the programs' contexts released")
             whole = await c.get_cache_state()
             assert (whole.free_blocks, whole.pinned_blocks) == (whole.total_blocks, 0)
             assert (whole.num_running, whole.num_waiting) == (0, 0)
@@ -332,7 +317,7 @@ async def test_sigterm_while_the_worker_starts_stops_what_it_started(
             assert p.poll() is None, log.read_text()[-3000:]
             return bool(started)
 
-        await _until(server_starting, 90, "the worker starting its Temporal dev server")
+        await until(server_starting, 90, "the worker starting its Temporal dev server")
         out = await _stop(p, signal.SIGTERM)
     finally:
         _kill(p)
@@ -347,7 +332,7 @@ async def test_publisher_logs_a_dead_node_once_per_state_change(
     start_engine: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="workflows._publisher")
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     pub = HintPublisher(address, registry=CollectorRegistry(), backoff_initial_s=0.01, backoff_max_s=0.05)
 
@@ -363,7 +348,7 @@ async def test_publisher_logs_a_dead_node_once_per_state_change(
         async def many_failures() -> bool:
             return pub.num_failures >= 10
 
-        await _until(many_failures, 10, "ten failed pushes")
+        await until(many_failures, 10, "ten failed pushes")
         assert len(lines(logging.WARNING)) == 1 and address in lines(logging.WARNING)[0]
         assert lines(logging.INFO) == []
         assert len(lines(logging.DEBUG)) >= 9  # every further attempt, below INFO
@@ -377,7 +362,7 @@ async def test_publisher_logs_a_dead_node_once_per_state_change(
         async def down_again() -> bool:
             return pub.health.down
 
-        await _until(down_again, 10, "the push to the stopped node failing")
+        await until(down_again, 10, "the push to the stopped node failing")
         assert len(lines(logging.WARNING)) == 2
     finally:
         await pub.close()
@@ -387,7 +372,7 @@ async def test_a_dead_node_is_retried_with_backoff_and_logged_once_per_state_cha
     temporal_env: Any, start_engine: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     rt = HintRuntime([address], "hintflow")
     tq = f"tq-{uuid.uuid4()}"
@@ -411,7 +396,7 @@ async def test_a_dead_node_is_retried_with_backoff_and_logged_once_per_state_cha
             pending = (await h.describe()).raw_description.pending_activities
             return bool(pending) and pending[0].attempt >= 3
 
-        await _until(third_attempt, 20, "the model call's third attempt")
+        await until(third_attempt, 20, "the model call's third attempt")
         health = rt.node_health[address]
         assert health.down and health.failures >= 3
         [down] = runtime_lines(logging.WARNING)
@@ -429,7 +414,7 @@ async def test_a_dead_node_is_retried_with_backoff_and_logged_once_per_state_cha
         async def down_again() -> bool:
             return health.down
 
-        await _until(down_again, 10, "the stopped node taken for down")
+        await until(down_again, 10, "the stopped node taken for down")
         assert len(runtime_lines(logging.WARNING)) == 2
 
 

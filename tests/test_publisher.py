@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import pytest
@@ -30,6 +29,7 @@ from hints import (
     Priority,
     Release,
 )
+from tests.polling import free_port, until
 from workflows._publisher import HintPublisher, _aged
 
 MODEL: dict[str, Any] = {
@@ -57,12 +57,6 @@ async def _node(node_id: str, port: int = 0) -> RunningNode:
     return await start_node(core, "127.0.0.1", port, metrics_port=None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
 
 def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 31 + i * 7) % MODEL["vocab_size"] for i in range(n)]
@@ -71,12 +65,6 @@ def _prompt(seed: int, n: int) -> list[int]:
 def _value(reg: CollectorRegistry, name: str, **labels: str) -> float:
     return reg.get_sample_value(name, labels) or 0.0
 
-
-async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 class _Recorder:
@@ -122,7 +110,7 @@ async def test_pin_is_delivered_and_counted() -> None:
 
 async def test_node_down_at_start_then_up_ages_and_expires(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="workflows._publisher")
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     reg, rec = CollectorRegistry(), _Recorder()
     pub = HintPublisher(address, registry=reg, on_ack=rec, backoff_initial_s=0.02, backoff_max_s=0.2)
@@ -177,7 +165,7 @@ async def test_node_down_at_start_then_up_ages_and_expires(caplog: pytest.LogCap
 async def _outage(pub: HintPublisher, reg: CollectorRegistry, address: str) -> None:
     """Hints published while the node is down: five, the first two one batch (``max_batch=2``)."""
     pub.publish([Pin(session_id="during-1", ttl_s=0), Pin(session_id="during-2", ttl_s=0)])
-    await _until(lambda: not pub.connected)
+    await until(lambda: not pub.connected, 5.0)
     assert _value(reg, "hintflow_publisher_connected", node=address) == 0
     pub.publish([Expect(session_id="during-3", output_tokens=5), Pin(session_id="during-4", ttl_s=0)])
     pub.publish([Release(program_id="during-5")])
@@ -264,7 +252,7 @@ async def test_queue_bound_drops_oldest() -> None:
         pub.publish([Expect(session_id=f"s{i}", output_tokens=i) for i in range(10)])
         assert pub.num_pending == 5 and pub.num_dropped == 5
         assert _value(reg, "hintflow_hints_dropped_total", node="fake:1", reason="queue-full") == 5
-        await _until(lambda: pub.num_failures >= 3)
+        await until(lambda: pub.num_failures >= 3, 5.0)
         assert pub.num_pending == 5 and pub.num_dropped == 5  # retries neither lose nor duplicate
         _FakeClient.down = False
         assert await pub.flush(2.0)
@@ -275,14 +263,14 @@ async def test_queue_bound_drops_oldest() -> None:
 
 
 async def test_close_is_idempotent_and_stops_the_task() -> None:
-    never_started = HintPublisher(f"127.0.0.1:{_free_port()}", registry=CollectorRegistry())
+    never_started = HintPublisher(f"127.0.0.1:{free_port()}", registry=CollectorRegistry())
     await never_started.close()
     await never_started.close()
 
-    pub = HintPublisher(f"127.0.0.1:{_free_port()}", registry=CollectorRegistry(), backoff_initial_s=0.01)
+    pub = HintPublisher(f"127.0.0.1:{free_port()}", registry=CollectorRegistry(), backoff_initial_s=0.01)
     pub.start()
     pub.publish([Pin(session_id="s", ttl_s=0)])
-    await _until(lambda: pub.num_failures >= 1)
+    await until(lambda: pub.num_failures >= 1, 5.0)
     task = pub._task
     assert task is not None and not task.done()
     await pub.close()

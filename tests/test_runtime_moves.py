@@ -9,14 +9,14 @@ router's mechanism prices, a small policy object picks), so the move happens on 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from hints import EngineClient, Pin, Priority, Release
 from orchestrator import NodeView, Router, RouteRequest
+from tests.polling import until
 from workflows import HintRuntime
 from workflows._api import LLMInput
 
@@ -35,17 +35,6 @@ class _Scripted:
         return next(v for v in nodes if v.address == self.target), "scripted"
 
 
-async def _until(cond: Callable[[], Awaitable[bool] | bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if isinstance(got, Awaitable):
-            got = await got
-        if got:
-            return
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(0.05)
-
 
 async def _session_on(address: str, session_id: str) -> int:
     """Tokens (device + host) of the session's context the node reports now; 0 when it holds none."""
@@ -63,7 +52,7 @@ async def _whole(address: str) -> None:
             st = await c.get_cache_state(include_sessions=True)
             return st.free_blocks == st.total_blocks and not st.pinned_blocks and not st.sessions
 
-        await _until(empty, 10.0, f"node {address} whole")
+        await until(empty, 10.0, f"node {address} whole")
 
 
 async def _two_turns(start_engine: Any, migrate: bool) -> tuple[HintRuntime, Any, Any, list[Any]]:
@@ -73,12 +62,12 @@ async def _two_turns(start_engine: Any, migrate: bool) -> tuple[HintRuntime, Any
     script = _Scripted()
     rt.router.policy = script
     await rt.start()
-    await _until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
+    await until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
     prompt = [(7 * i) % 200 + 1 for i in range(400)]
     script.target = a.address
     first = await rt.generate(PROGRAM, LLMInput("s1", prompt, max_new_tokens=4))
     rt.turn_ended(PROGRAM, "s1", len(prompt) + len(first.token_ids))
-    await _until(lambda: _session_on(a.address, "s1"), 5.0, "the context parked on a")
+    await until(lambda: _session_on(a.address, "s1"), 5.0, "the context parked on a")
     script.target = b.address
     second = await rt.generate(PROGRAM, LLMInput("s1", prompt + first.token_ids + [5] * 16, max_new_tokens=4))
     return rt, a, b, [first, second]
@@ -99,7 +88,7 @@ async def test_a_moved_session_takes_its_context_along_and_hits_there(start_engi
         async def gone_from_a() -> bool:
             return await _session_on(a.address, "s1") == 0
 
-        await _until(gone_from_a, 5.0, "a let go of its copy")
+        await until(gone_from_a, 5.0, "a let go of its copy")
     finally:
         await rt.stop()
     await _whole(a.address)
@@ -127,7 +116,7 @@ async def test_a_failed_move_leaves_the_context_usable_at_its_source(start_engin
     rt.router.policy = script
     await rt.start()
     try:
-        await _until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
+        await until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
         prompt = [(3 * i) % 200 + 1 for i in range(300)]
         script.target = a.address
         first = await rt.generate(PROGRAM, LLMInput("s2", prompt, max_new_tokens=2))
@@ -171,7 +160,7 @@ async def test_a_queued_turn_moves_with_its_context_to_a_node_with_room(start_en
     rt.router.policy = script
     await rt.start()
     try:
-        await _until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
+        await until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
         prompt = [(5 * i) % 200 + 1 for i in range(300)]
         script.target = a.address
         first = await rt.generate(PROGRAM, LLMInput("s3", prompt, max_new_tokens=2))
@@ -187,7 +176,7 @@ async def test_a_queued_turn_moves_with_its_context_to_a_node_with_room(start_en
                 st = await ca.get_cache_state(include_sessions=True)
                 return any(r.session_id == "hog" and r.state == "running" for r in st.sessions)
 
-            await _until(hog_running, 10.0, "the long turn running on a")
+            await until(hog_running, 10.0, "the long turn running on a")
             second = await rt.generate(PROGRAM, LLMInput("s3", prompt + first.token_ids + [7] * 16, max_new_tokens=2))
             hog_done = hog.done()
             await hog
@@ -223,7 +212,7 @@ async def test_a_turn_hints_go_to_the_node_the_turn_is_routed_to(start_engine: A
 
         pub.publish = recording  # type: ignore[method-assign]
     try:
-        await _until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
+        await until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
         prompt = [(7 * i) % 200 + 1 for i in range(64)]
         script.target = a.address
         rt.turn_started(PROGRAM, "s1", len(prompt), routed=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from temporalio.worker import Worker
 
 from hints import EngineClient, Pin, Priority, Release
 from orchestrator import PauseModel, ProgramEnded, Tick, ToolEnded, TurnEnded, TurnStarted
+from tests.polling import free_port
 from tests.review_workflows import (
     InfiniteTool,
     PrefixLongerThanPrompt,
@@ -52,12 +52,6 @@ from workflows.examples import (
     Pipeline,
     PipelineInput,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _Recorder:
@@ -99,7 +93,7 @@ def _innermost(exc: BaseException) -> BaseException:
 
 # ---- A: a workflow task failure is not the program's end -------------------------------------------------
 async def test_plain_exception_in_workflow_code_does_not_end_the_program(temporal_env: Any) -> None:
-    rt = HintRuntime([f"127.0.0.1:{_free_port()}"], "hintflow")
+    rt = HintRuntime([f"127.0.0.1:{free_port()}"], "hintflow")
     tq = f"tq-{uuid.uuid4()}"
     workflows = [RaisesPlain, RaisesFailure, WaitsForever]
     async with Worker(temporal_env.client, task_queue=tq, workflows=workflows, plugins=[HintflowPlugin(runtime=rt)]):
@@ -317,7 +311,7 @@ async def test_a_reaped_program_still_running_elsewhere_is_not_released() -> Non
     ],
 )
 async def test_bad_input_fails_the_workflow_at_once(temporal_env: Any, workflow: Any, arg: Any, expect: str) -> None:
-    rt = HintRuntime([f"127.0.0.1:{_free_port()}"], "hintflow")
+    rt = HintRuntime([f"127.0.0.1:{free_port()}"], "hintflow")
     tq = f"tq-{uuid.uuid4()}"
     async with Worker(temporal_env.client, task_queue=tq, workflows=[workflow], plugins=[HintflowPlugin(runtime=rt)]):
         h = await temporal_env.client.start_workflow(workflow.run, arg, id=f"wf-{uuid.uuid4()}", task_queue=tq)
@@ -554,7 +548,7 @@ def test_failed_attempts_are_not_turns() -> None:
 
 
 async def test_retried_model_calls_count_once_end_to_end(temporal_env: Any, start_engine: Any) -> None:
-    port = _free_port()
+    port = free_port()
     rt = HintRuntime([f"127.0.0.1:{port}"], "hintflow", pause_model=PauseModel(default_mean_s=0.15, min_samples=20))
     tq = f"tq-{uuid.uuid4()}"
     async with Worker(temporal_env.client, task_queue=tq, workflows=[CodingAgent], plugins=[HintflowPlugin(runtime=rt)]):
@@ -609,7 +603,7 @@ def test_program_end_drops_its_pin_deadlines() -> None:
 
 
 async def test_pins_the_publisher_drops_leave_no_deadline_behind() -> None:
-    rt = HintRuntime([f"127.0.0.1:{_free_port()}"], "hintflow")  # nobody listens: pushes fail, pins lapse
+    rt = HintRuntime([f"127.0.0.1:{free_port()}"], "hintflow")  # nobody listens: pushes fail, pins lapse
     await rt.start()
     try:
         rt.publish([Pin(session_id="s", ttl_s=0.05, reason="r")])

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from temporalio.worker import Worker
 
 from hints import EngineClient
 from orchestrator import PauseModel, ToolStarted, TurnStarted
+from tests.polling import free_port
 from tests.user_workflows import RawPrompt, UserAgent, grep_repo
 from workflows import HintflowPlugin, HintRuntime
 from workflows.examples import (
@@ -197,14 +197,9 @@ async def test_user_activities_are_tools_of_the_current_session(temporal_env: An
     assert turns == [f"{wid}/coder"] * 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 async def test_no_engine_is_a_retryable_error_and_the_program_resumes(temporal_env: Any, start_engine: Any) -> None:
-    port = _free_port()
+    port = free_port()
     rt = _runtime(f"127.0.0.1:{port}")
     tq = f"tq-{uuid.uuid4()}"
     async with Worker(temporal_env.client, task_queue=tq, workflows=[CodingAgent], plugins=[HintflowPlugin(runtime=rt)]):
