@@ -6,17 +6,27 @@ face below loads on first use, so that starting the command line imports only wh
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hintflow._run import make_runtime
+    from hintflow._demo import DemoConfig
+    from hintflow._run import RunConfig, local_nodes, local_temporal, make_runtime, run_programs_on
 
-__all__ = ["make_runtime"]
+__all__ = ["DemoConfig", "RunConfig", "local_nodes", "local_temporal", "make_runtime", "run_programs_on"]
+
+_HOME = {
+    "DemoConfig": "hintflow._demo",
+    "RunConfig": "hintflow._run",
+    "local_nodes": "hintflow._run",
+    "local_temporal": "hintflow._run",
+    "make_runtime": "hintflow._run",
+    "run_programs_on": "hintflow._run",
+}
 
 
 def __getattr__(name: str) -> object:
-    if name != "make_runtime":
+    home = _HOME.get(name)
+    if home is None:
         raise AttributeError(f"module 'hintflow' has no attribute {name!r}")
-    from hintflow import _run
-
-    return _run.make_runtime
+    return getattr(importlib.import_module(home), name)

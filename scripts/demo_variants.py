@@ -20,8 +20,7 @@ import json
 import sys
 from typing import Any
 
-from hintflow._demo import DemoConfig
-from hintflow._run import RunConfig, local_nodes, local_temporal, run_programs_on
+from hintflow import DemoConfig, RunConfig, local_nodes, local_temporal, run_programs_on
 
 
 def _value(text: str) -> Any:

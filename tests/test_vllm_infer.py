@@ -120,7 +120,7 @@ def test_last_turn_releases_the_program(node: Node) -> None:
 
 def test_an_orchestrator_hint_silences_inference_for_its_session(node: Node) -> None:
     ack = node.hints(Priority(session_id="pd", program_id="pd", program_age_s=1.0))
-    assert ack.results[0].code == "NOT_FOUND"  # not seen yet, but the orchestrator now speaks for it
+    assert ack.results[0].ok  # not seen yet: recorded, and the orchestrator now speaks for it
     d = _prompt(6, 5 * BS + 3)
     node.cached(d, "pd", tool="edit")
     assert not node.pinned("pd")

@@ -27,17 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from engine_adapter._engine_errors import EngineError
+from engine_adapter._hint_semantics import apply_hint
 from hints import (
     EvictionOrder,
-    Expect,
     HintAck,
     HintDecodeError,
     HintModel,
     HintResult,
-    Pin,
-    Prefetch,
-    Priority,
-    Release,
     ack_to_proto,
     batch_from_proto_lenient,
     cache_state_to_proto,
@@ -77,21 +74,73 @@ def bind_engine_node(servicer: Any, host: str, port: int, what: str, thread_pref
     return server, bound
 
 
-class _Error(Exception):
-    code = "INTERNAL"
+class _VllmTarget:
+    """The vLLM node's session book and scheduler as a ``HintTarget`` (``engine_adapter._hint_semantics``,
+    the meaning of each hint, shared with the embedded node)."""
 
+    def __init__(self, sched: HintSchedulerMixin) -> None:
+        self.sched, self.book, self.node_id = sched, sched.book, sched.node_id
 
-class _NotFound(_Error):
-    code = "NOT_FOUND"
+    def now(self) -> float:
+        return float(self.book.clock())
 
+    def find(self, session_id: str) -> Any:
+        return self.book.sessions.get(session_id)
 
-class _Invalid(_Error):
-    code = "INVALID_ARGUMENT"
+    def record(self, session_id: str, program_id: str) -> Any:
+        return self.book.session(session_id, program_id)
+
+    def program_of(self, s: Any) -> str:
+        return str(s.program_id)
+
+    def sessions_of(self, program_id: str) -> list[Any] | None:
+        ids = self.book.programs.get(program_id)
+        if ids is None:
+            return None
+        return [s for sid in ids if (s := self.book.sessions.get(sid)) is not None]
+
+    def pin(self, s: Any, ttl_s: float) -> Any:
+        s.pin_hinted_s = self.book.clock()
+        return self.book.set_pin(s, ttl_s)
+
+    def pin_note(self) -> str:
+        if self.sched.pins_supported:
+            return ""
+        return "recorded only: this vLLM configuration cannot hold blocks (see the node's log)"
+
+    def release(self, program_id: str) -> None:
+        self.book.release_program(program_id)
+
+    def prioritize(self, sessions: list[Any], start_s: float, priority_class: int) -> None:
+        for s in sessions:
+            s.program_start_s = start_s
+            s.priority_class = priority_class
+            self.sched.reprioritize(s)
+
+    def priority_note(self) -> str:
+        return "" if self.sched.policy.name == "PRIORITY" else "recorded: vLLM runs with --scheduling-policy fcfs"
+
+    def next_use(self, known: list[tuple[Any, float]]) -> None:
+        now = self.book.clock()
+        for s, next_use_s in known:
+            s.next_use_deadline_s = now + next_use_s
+        if self.sched.pins_supported:
+            self.book.place_by_next_use([s for s, _ in known])
+
+    def prefetch(self, s: Any, at_s: float) -> str:
+        s.next_use_deadline_s = self.book.clock() + at_s
+        if getattr(self.sched, "host_tier", None) is not None:
+            return "recorded as a next use: the host tier loads a context when its turn is admitted, not ahead"
+        return "no host tier on this node: recorded as a next use"
+
+    def expect(self, s: Any, output_tokens: int) -> None:
+        s.expected_output_tokens = output_tokens
 
 
 def apply_hints(sched: HintSchedulerMixin, hints: Sequence[HintModel | HintDecodeError]) -> list[HintResult]:
     """Apply a batch in order under the scheduler lock; one result per hint."""
     results = []
+    target = _VllmTarget(sched)
     with sched.hint_lock:
         sched.book.expire()  # an idle engine does not step: leases must still run out on time
         for i, h in enumerate(hints):
@@ -99,8 +148,8 @@ def apply_hints(sched: HintSchedulerMixin, hints: Sequence[HintModel | HintDecod
                 for sid in _sessions_named(h):
                     sched.infer.note_explicit(sid)
             try:
-                results.append(_apply(sched, i, h))
-            except _Error as e:
+                results.append(apply_hint(target, i, h))
+            except EngineError as e:
                 results.append(HintResult(index=i, code=e.code, message=str(e)[:4000]))
     return results
 
@@ -110,86 +159,6 @@ def _sessions_named(h: HintModel | HintDecodeError) -> list[str]:
         return [e.session_id for e in h.entries]
     sid = getattr(h, "session_id", "")
     return [sid] if isinstance(sid, str) and sid else []
-
-
-def _session(sched: HintSchedulerMixin, session_id: str) -> Any:
-    s = sched.book.sessions.get(session_id)
-    if s is None:
-        raise _NotFound(f"unknown session {session_id!r} on node {sched.node_id}")
-    return s
-
-
-def _apply(sched: HintSchedulerMixin, i: int, h: HintModel | HintDecodeError) -> HintResult:
-    book = sched.book
-    if isinstance(h, HintDecodeError):
-        raise _Invalid(str(h))
-    if isinstance(h, Pin):
-        s = _session(sched, h.session_id)
-        s.pin_hinted_s = book.clock()
-        g = book.set_pin(s, h.ttl_s)
-        msg = "pin applies when the running turn ends" if g.deferred else ""
-        if g.clamped:
-            msg = f"pin clamped to {g.pinned_blocks} of {g.requested_blocks} blocks"
-        if not sched.pins_supported:
-            msg = "recorded only: this vLLM configuration cannot hold blocks (see the node's log)"
-        return HintResult(
-            index=i,
-            message=msg,
-            clamped=g.clamped,
-            pinned_blocks=g.pinned_blocks,
-            requested_blocks=g.requested_blocks,
-        )
-    if isinstance(h, Release):
-        if h.program_id not in book.programs:
-            raise _NotFound(f"unknown program {h.program_id!r} on node {sched.node_id}")
-        book.release_program(h.program_id)
-        return HintResult(index=i)
-    if isinstance(h, Priority):
-        # As on the embedded node (engine_adapter/_hint_enforcement.py): with its program named, a turn's
-        # Priority that comes before the turn records the session, so the turn queues in its program's place.
-        first = book.session(h.session_id, h.program_id) if h.program_id else _session(sched, h.session_id)
-        if h.program_id and first.program_id != h.program_id:
-            raise _Invalid(f"session {h.session_id!r} belongs to program {first.program_id!r}, not {h.program_id!r}")
-        sessions = [first]
-        if h.program_id:
-            sessions += [book.sessions[sid] for sid in book.programs.get(h.program_id, ())]
-        now = book.clock()
-        for s in sessions:
-            s.program_start_s = now - h.program_age_s
-            s.priority_class = h.priority_class
-            sched.reprioritize(s)
-        msg = "" if sched.policy.name == "PRIORITY" else "recorded: vLLM runs with --scheduling-policy fcfs"
-        return HintResult(index=i, message=msg)
-    if isinstance(h, EvictionOrder):
-        unknown = []
-        now = book.clock()
-        known = []
-        for e in h.entries:
-            s = book.sessions.get(e.session_id)
-            if s is None:
-                unknown.append(e.session_id)
-            else:
-                s.next_use_deadline_s = now + e.next_use_s
-                known.append(s)
-        if sched.pins_supported:
-            book.place_by_next_use(known)
-        if unknown:
-            raise _NotFound(
-                f"{len(unknown)} unknown session(s), e.g. {unknown[0]!r}; the others were applied"
-            )
-        return HintResult(index=i)
-    if isinstance(h, Prefetch):
-        s = _session(sched, h.session_id)
-        s.next_use_deadline_s = book.clock() + h.at_s
-        if getattr(sched, "host_tier", None) is not None:
-            msg = "recorded as a next use: the host tier loads a context when its turn is admitted, not ahead"
-        else:
-            msg = "no host tier on this node: recorded as a next use"
-        return HintResult(index=i, message=msg)
-    if isinstance(h, Expect):
-        _session(sched, h.session_id).expected_output_tokens = h.output_tokens
-        return HintResult(index=i)
-    raise _Invalid(f"unsupported hint {type(h).__name__}")
 
 
 class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
