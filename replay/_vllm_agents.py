@@ -14,6 +14,7 @@ its own thread once the sessions it waits on (``after``, AND or OR join) have fi
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from replay._vllm_workload import BLOCK, AgentProgram, AgentSession
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HintPusher", "ProgramResult", "TurnResult", "run_program"]
 
@@ -105,13 +108,23 @@ class HintPusher:
         self.events.put(("evicted", queue_delay_s))
 
     def _on(self, ev: Any) -> list[Any]:
-        if isinstance(ev, tuple):
-            ttl = getattr(self.policy, "ttl", None)
-            if ttl is not None:
-                ttl.observe_evicted_queue_delay(max(0.0, float(ev[1])))
+        """The policy's hints for one event; a policy that raises is counted (``codes["policy:..."]``) and
+        logged once, and the pusher goes on: as in the live runtime, where a policy bug must not stop the
+        hints of every later event (an exception here used to end this thread, silently)."""
+        try:
+            if isinstance(ev, tuple):
+                ttl = getattr(self.policy, "ttl", None)
+                if ttl is not None:
+                    ttl.observe_evicted_queue_delay(max(0.0, float(ev[1])))
+                return []
+            out: list[Any] = self.policy.on_event(ev)
+            return out
+        except Exception as e:
+            key = f"policy:{type(e).__name__}"
+            if not self.codes[key]:
+                logger.exception("hint pusher: policy %s failed on %s", getattr(self.policy, "name", "?"), ev)
+            self.codes[key] += 1
             return []
-        out: list[Any] = self.policy.on_event(ev)
-        return out
 
     def _run(self) -> None:
         from orchestrator import Tick
@@ -132,7 +145,7 @@ class HintPusher:
                 pass
             now = time.monotonic() - self.t0
             if now >= next_tick:
-                hints += self.policy.on_event(Tick(now_s=now))
+                hints += self._on(Tick(now_s=now))
                 next_tick = now + self.tick_s
             if hints:
                 self._push(hints)
