@@ -3,7 +3,8 @@
 
 A hint about a session goes to the node holding the session (its last turn's node); a session no turn
 has placed yet, e.g. one whose model calls did not go through our nodes, is hinted to every node (a node
-without it answers NOT_FOUND).  ``Release`` goes to every node: a program's sessions may be anywhere.  An
+without it answers NOT_FOUND, but records it from a ``Priority`` that names its program, until the
+program's ``Release``).  ``Release`` goes to every node: a program's sessions may be anywhere.  An
 ``EvictionOrder`` is split by its entries' sessions, so each node gets only the entries it can use.
 Plain Python, no I/O.
 """
