@@ -10,18 +10,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hintflow._demo import DemoConfig
-    from hintflow._run import RunConfig, local_nodes, local_temporal, make_runtime, run_programs_on
+    from hintflow._demo import DemoConfig, run_mode
+    from hintflow._run import local_temporal, make_runtime
 
-__all__ = ["DemoConfig", "RunConfig", "local_nodes", "local_temporal", "make_runtime", "run_programs_on"]
+__all__ = ["DemoConfig", "local_temporal", "make_runtime", "run_mode"]
 
 _HOME = {
     "DemoConfig": "hintflow._demo",
-    "RunConfig": "hintflow._run",
-    "local_nodes": "hintflow._run",
+    "run_mode": "hintflow._demo",
     "local_temporal": "hintflow._run",
     "make_runtime": "hintflow._run",
-    "run_programs_on": "hintflow._run",
 }
 
 

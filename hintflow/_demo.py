@@ -26,7 +26,7 @@ from typing import Any
 
 from hintflow._run import RunConfig, local_nodes, local_temporal, run_programs_on
 
-__all__ = ["MODES", "DemoConfig", "format_table", "run_demo", "write_plots"]
+__all__ = ["MODES", "DemoConfig", "format_table", "run_demo", "run_mode", "write_plots"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,37 +50,53 @@ class DemoConfig:
     seed: int = 0
 
 
+async def run_mode(
+    client: Any,
+    cfg: DemoConfig,
+    policy: str,
+    *,
+    name: str = "",
+    pin_budget_fraction: float = 0.7,
+    scheduler_overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One mode of the demo on fresh nodes: ``policy``'s programs (``vllm-default`` also gets vLLM-like
+    nodes); ``scheduler_overrides`` sets other ``SchedulerConfig`` fields of the nodes.  Its report."""
+    stock = policy == "vllm-default"
+    async with local_nodes(
+        cfg.num_nodes,
+        num_device_blocks=cfg.device_blocks,
+        retain_contexts=not stock,
+        cold_prefill_cap=not stock,  # vLLM has none
+        pin_budget_fraction=pin_budget_fraction,
+        name=f"demo-{name or policy}",
+        # hintflow nodes order by program age with a bounded head start (see SchedulerConfig)
+        program_fcfs_aging_s=None if stock else cfg.fcfs_aging_s,
+        ttft_deadline_s=None if stock else cfg.ttft_deadline_s,
+        scheduler_overrides=scheduler_overrides,
+    ) as engines:
+        run = RunConfig(
+            example="coding-agent",
+            programs=cfg.programs,
+            policy=policy,
+            arrival_gap_s=cfg.arrival_gap_s,
+            time_scale=cfg.time_scale,
+            background_clients=cfg.background_clients,
+            seed=cfg.seed,
+            overrides={
+                "turns": cfg.turns,
+                "task_tokens": cfg.task_tokens,
+                "tool_output_tokens": cfg.tool_output_tokens,
+            },
+        )
+        logger.info("demo: %s on %s", name or policy, ", ".join(engines))
+        return await run_programs_on(client, engines, run)
+
+
 async def _run(cfg: DemoConfig, temporal: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {"config": asdict(cfg), "policies": {}}
     async with local_temporal(temporal) as client:
         for mode in MODES:
-            async with local_nodes(
-                cfg.num_nodes,
-                num_device_blocks=cfg.device_blocks,
-                retain_contexts=mode != "vllm-default",
-                cold_prefill_cap=mode != "vllm-default",  # vLLM has none
-                pin_budget_fraction=0.7,
-                name=f"demo-{mode}",
-                # hintflow nodes order by program age with a bounded head start (see SchedulerConfig)
-                program_fcfs_aging_s=None if mode == "vllm-default" else cfg.fcfs_aging_s,
-                ttft_deadline_s=None if mode == "vllm-default" else cfg.ttft_deadline_s,
-            ) as engines:
-                run = RunConfig(
-                    example="coding-agent",
-                    programs=cfg.programs,
-                    policy=mode,
-                    arrival_gap_s=cfg.arrival_gap_s,
-                    time_scale=cfg.time_scale,
-                    background_clients=cfg.background_clients,
-                    seed=cfg.seed,
-                    overrides={
-                        "turns": cfg.turns,
-                        "task_tokens": cfg.task_tokens,
-                        "tool_output_tokens": cfg.tool_output_tokens,
-                    },
-                )
-                logger.info("demo: %s on %s", mode, ", ".join(engines))
-                out["policies"][mode] = await run_programs_on(client, engines, run)
+            out["policies"][mode] = await run_mode(client, cfg, mode)
     return out
 
 

@@ -20,7 +20,7 @@ import json
 import sys
 from typing import Any
 
-from hintflow import DemoConfig, RunConfig, local_nodes, local_temporal, run_programs_on
+from hintflow import DemoConfig, local_temporal, run_mode
 
 
 def _value(text: str) -> Any:
@@ -55,25 +55,11 @@ async def run(variants: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]
     out: dict[str, Any] = {}
     async with local_temporal(None) as client:
         for label, policy, settings in variants:
-            stock = policy == "vllm-default"
             settings = dict(settings)
-            async with local_nodes(
-                cfg.num_nodes,
-                num_device_blocks=cfg.device_blocks,
-                retain_contexts=not stock,
-                cold_prefill_cap=not stock,
-                pin_budget_fraction=float(settings.pop("pin_budget_fraction", 0.7)),
-                name=f"variant-{label}",
-                scheduler_overrides=settings,
-            ) as engines:
-                run_cfg = RunConfig(
-                    example="coding-agent", programs=cfg.programs, policy=policy,
-                    arrival_gap_s=cfg.arrival_gap_s, time_scale=cfg.time_scale,
-                    background_clients=cfg.background_clients, seed=cfg.seed,
-                    overrides={"turns": cfg.turns, "task_tokens": cfg.task_tokens,
-                               "tool_output_tokens": cfg.tool_output_tokens},
-                )  # fmt: skip
-                r = await run_programs_on(client, engines, run_cfg)
+            budget: dict[str, float] = {}  # (unset: the demo's own)
+            if "pin_budget_fraction" in settings:
+                budget["pin_budget_fraction"] = float(settings.pop("pin_budget_fraction"))
+            r = await run_mode(client, cfg, policy, name=label, scheduler_overrides=settings, **budget)
             out[label] = r
             print(
                 f"{label:16s} JCT mean {r['jct_mean_s']:6.2f} p90 {r['jct_p90_s']:6.2f} s  "

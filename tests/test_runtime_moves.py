@@ -55,7 +55,8 @@ async def _whole(address: str) -> None:
         await until(empty, 10.0, f"node {address} whole")
 
 
-async def _two_turns(start_engine: Any, migrate: bool) -> tuple[HintRuntime, Any, Any, list[Any]]:
+async def _scripted_runtime(start_engine: Any, migrate: bool) -> tuple[HintRuntime, Any, Any, _Scripted]:
+    """Two nodes a and b, and a started runtime whose router sends each turn where the script says."""
     a = await start_engine("a", num_device_blocks=96)
     b = await start_engine("b", num_device_blocks=96)
     rt = HintRuntime([a.address, b.address], "hintflow", migrate=migrate)
@@ -63,6 +64,11 @@ async def _two_turns(start_engine: Any, migrate: bool) -> tuple[HintRuntime, Any
     rt.router.policy = script
     await rt.start()
     await until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
+    return rt, a, b, script
+
+
+async def _two_turns(start_engine: Any, migrate: bool) -> tuple[HintRuntime, Any, Any, list[Any]]:
+    rt, a, b, script = await _scripted_runtime(start_engine, migrate)
     prompt = [(7 * i) % 200 + 1 for i in range(400)]
     script.target = a.address
     first = await rt.generate(PROGRAM, LLMInput("s1", prompt, max_new_tokens=4))
@@ -196,12 +202,7 @@ async def test_a_turn_hints_go_to_the_node_the_turn_is_routed_to(start_engine: A
     """The turn's Priority reaches the node its router picked, not where its last turn ran: a node that
     never saw the program would otherwise queue the turn as the newest program's (measured in the demo:
     such turns waited 50-70 s behind every other program's)."""
-    a = await start_engine("a", num_device_blocks=96)
-    b = await start_engine("b", num_device_blocks=96)
-    rt = HintRuntime([a.address, b.address], "hintflow", migrate=False)
-    script = _Scripted()
-    rt.router.policy = script
-    await rt.start()
+    rt, a, b, script = await _scripted_runtime(start_engine, migrate=False)
     sent: dict[str, list[Any]] = {a.address: [], b.address: []}
     for addr, pub in rt.publishers.items():
         real = pub.publish
@@ -212,7 +213,6 @@ async def test_a_turn_hints_go_to_the_node_the_turn_is_routed_to(start_engine: A
 
         pub.publish = recording  # type: ignore[method-assign]
     try:
-        await until(lambda: len(rt.router._nodes) == 2, 10.0, "both nodes in the router")
         prompt = [(7 * i) % 200 + 1 for i in range(64)]
         script.target = a.address
         rt.turn_started(PROGRAM, "s1", len(prompt), routed=True)

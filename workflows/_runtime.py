@@ -528,8 +528,10 @@ class HintRuntime:
         self.pin_outcomes.setdefault(session_id, []).append(outcome)
         self._close_pause(s, session_id, now)
         ev = TurnStarted(program_id, session_id, now, context_tokens, workflow)
-        s.turn_hints = self._feed(ev, publish=False) if routed else []
-        if not routed:
+        if routed:  # held until generate has placed the turn (_place_turn_hints)
+            s.turn_hints = self._feed(ev, publish=False)
+        else:
+            s.turn_hints = []
             self._feed(ev)
 
     def _pin_lost(self, s: _SessionInfo) -> bool:
