@@ -306,9 +306,13 @@ async def test_export_import_between_nodes(node: RunningNode, client: EngineClie
             with pytest.raises(ContextMoveError) as failed:
                 await move_context(b, client, "never-seen")
             assert failed.value.phase == "export" and failed.value.code == grpc.StatusCode.NOT_FOUND
+            free_on_c = (await c.get_cache_state()).free_blocks
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await c.import_context(_aiter(chunks[1:]))  # no header first
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # INVALID_ARGUMENT, or INTERNAL when the client was still writing chunks as the node refused
+            # (the same race as above; a clean-clone CI run saw it once): either way nothing is held.
+            assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)
+            assert (await c.get_cache_state()).free_blocks == free_on_c
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await b.import_context(_aiter(chunks[:2]))  # the stream ends early: nothing is committed
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
