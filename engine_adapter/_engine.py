@@ -22,7 +22,15 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from hints import CacheState, HintDecodeError, HintModel, HintResult, SessionResidency, new_node_epoch
+from hints import (
+    CacheState,
+    HintDecodeError,
+    HintModel,
+    HintResult,
+    SessionResidency,
+    new_node_epoch,
+    residency_reported,
+)
 
 from ._context_blocks import ContextHeader
 from ._context_export import ContextExport, begin_export, drop_exported
@@ -322,6 +330,8 @@ class EngineCore:
             sessions = []
             if include_sessions:
                 for s in kv.sessions.values():
+                    if not residency_reported(len(s.block_ids), len(s.host_block_ids), s.state.value):
+                        continue  # an evicted context, or a Priority's record: nothing here
                     sessions.append(
                         SessionResidency(
                             session_id=s.session_id,

@@ -39,6 +39,38 @@ class KVCacheManager(HostTier):
     """Session contexts on a device pool and a host tier (state and pins: ``SessionTable``; copies
     between tiers: ``HostTier``; prefix plans: ``_prefix_plan``)."""
 
+    max_empty_sessions = 10_000  # known sessions past which the oldest holding nothing go (get_or_create)
+    _sweep_at: int | None = None
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def get_or_create(self, session_id: str, program_id: str) -> Session:
+        """The session, made if new.  A session whose context was evicted stays known, so its next turn
+        counts what it recomputes; one that holds nothing and carries no hint is forgotten, oldest first,
+        once more than ``max_empty_sessions`` are known (plain traffic, one session per request, would
+        otherwise grow the table without bound).  A forgotten session that comes back counts as new."""
+        s = super().get_or_create(session_id, program_id)
+        limit = self.max_empty_sessions
+        if len(self.sessions) > (self._sweep_at or limit):
+            excess = len(self.sessions) - limit * 9 // 10
+            for old in [x for x in self.sessions.values() if x is not s and self._forgettable(x)][:excess]:
+                self.free_session(old)
+            # the next sweep once a tenth more are known: amortized O(1) per session made
+            self._sweep_at = max(limit, len(self.sessions) + limit // 10)
+        return s
+
+    def _forgettable(self, s: Session) -> bool:
+        return (
+            s.state is SessionState.PARKED
+            and not s.block_ids
+            and not s.host_block_ids
+            and not s.saved_host_ids
+            and s.program_start_s is None
+            and s.pin_deadline_s is None
+            and s.next_use_deadline_s is None
+            and s.prefetch_at_s is None
+            and s not in self.leased
+        )
+
     # ---- prefix reuse (query, then mutate) -----------------------------------------------------
     def plan_prefix(self, s: Session, prompt: list[int], memo: PlanMemo | None = None) -> PrefixPlan:
         """What ``prompt`` can reuse of ``s``'s context and of the pool's prefix index (changes nothing).

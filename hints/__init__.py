@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         Release,
         SessionId,
         SessionResidency,
+        residency_reported,
     )
     from hints._move import ContextMove, ContextMoveError, move_context
     from hints._nodes import EngineSpec, parse_engine
@@ -102,6 +103,7 @@ __all__ = [
     "move_context",
     "new_node_epoch",
     "parse_engine",
+    "residency_reported",
     "stale_batch_results",
 ]
 

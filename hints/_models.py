@@ -228,6 +228,13 @@ class SessionResidency(_Frozen):
     state: Literal["running", "waiting", "parked"]
 
 
+def residency_reported(device_tokens: int, host_tokens: int, state: str) -> bool:
+    """Whether a node lists a session in its ``CacheState``: one that holds nothing there and is not
+    running or queued is left out (a router reads a missing session as an empty one), so the state a
+    node streams many times a second stays the size of what it holds, not of every session it served."""
+    return bool(device_tokens or host_tokens) or state != "parked"
+
+
 class CacheState(_Frozen):
     """A node's KV-cache and queue state, streamed on change and periodically; read by the router."""
 

@@ -24,6 +24,7 @@ from engine_adapter import (
     EngineCore,
     EngineError,
     InvalidArgument,
+    KVCacheManager,
     KVLayout,
     ModeledExecutor,
     Request,
@@ -636,3 +637,27 @@ def test_an_import_whose_copy_flush_fails_leaks_nothing() -> None:
     deep_check(core, ex)
     core.import_context(blob)  # and the node still takes it once the device works
     deep_check(core, ex)
+
+
+def test_a_node_forgets_the_oldest_sessions_that_hold_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain traffic (a new session per request) on a node that drops contexts at once must not grow its
+    table, or the cache state it streams, without bound: past the limit the oldest sessions holding
+    nothing and carrying no hint go, and a session holding nothing is never listed."""
+    monkeypatch.setattr(KVCacheManager, "max_empty_sessions", 10)
+    core, _, _ = make_core(dev=24, host=0, retain_contexts=False)
+    core.submit(list(range(1, 10)), 1, session_id="hinted", program_id="ph")
+    core.run_until_idle()
+    assert core.apply_hints([Priority(session_id="hinted", program_id="ph", program_age_s=1.0)])[0].ok
+    for i in range(30):
+        core.submit([i + 1] * 9, 1, session_id=f"s{i}")
+        core.run_until_idle()
+    assert len(core.kv.sessions) <= 11
+    assert "hinted" in core.kv.sessions and "s29" in core.kv.sessions and "s0" not in core.kv.sessions
+    # and the cache state a router watches lists none of them: they hold nothing here
+    assert core.cache_state(include_sessions=True).sessions == []
+    waiting = core.submit([7] * 9, 1, session_id="queued")
+    assert [r.session_id for r in core.cache_state(include_sessions=True).sessions] == ["queued"]
+    core.run_until_idle()
+    assert waiting.output
+    core.check_invariants()
+    release_everything(core)

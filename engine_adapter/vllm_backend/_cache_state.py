@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from pydantic import ValidationError
 
-from hints import CacheState, SessionResidency, cache_state_to_proto
+from hints import CacheState, SessionResidency, cache_state_to_proto, residency_reported
 
 if TYPE_CHECKING:
     from ._hint_scheduler import HintSchedulerMixin
@@ -48,12 +48,16 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
         sessions = []
         if include_sessions:
             for s in sched.book.sessions.values():
+                device = s.resident_blocks() * bs
+                host = tier.session_host_tokens(s.session_id) if tier is not None else 0
+                if not residency_reported(device, host, s.state):
+                    continue
                 try:
                     residency = SessionResidency(
                         session_id=s.session_id,
                         program_id=s.program_id,
-                        device_tokens=s.resident_blocks() * bs,
-                        host_tokens=tier.session_host_tokens(s.session_id) if tier is not None else 0,
+                        device_tokens=device,
+                        host_tokens=host,
                         pinned=bool(s.held),
                         state=s.state,  # type: ignore[arg-type]
                     )

@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from hints import SessionId, SessionResidency
+from hints import SessionId, SessionResidency, residency_reported
 
 __all__ = [
     "CPU",
@@ -258,7 +258,7 @@ class KvResidency:
         out = []
         for sid in self.sessions:
             device, host = self.session_blocks(sid)
-            if not device and not host:
+            if not residency_reported(device, host, "parked"):
                 continue
             out.append(
                 SessionResidency(
