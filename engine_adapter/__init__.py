@@ -74,6 +74,9 @@ if TYPE_CHECKING:
         KVCacheManager,
         KVStats,
     )
+    from engine_adapter._metrics import (
+        EngineMetrics,
+    )
     from engine_adapter._modeled_executor import (
         ModeledExecutor,
     )
@@ -136,6 +139,7 @@ _LAZY: dict[str, str] = {
     "VirtualClock": "engine_adapter._executor",
     "KVCacheManager": "engine_adapter._kv_manager",
     "KVStats": "engine_adapter._kv_manager",
+    "EngineMetrics": "engine_adapter._metrics",
     "ModeledExecutor": "engine_adapter._modeled_executor",
     "profile_torch_executor": "engine_adapter._profile",
     "Request": "engine_adapter._request",
@@ -164,6 +168,7 @@ __all__ = [
     "EngineConfig",
     "EngineCore",
     "EngineError",
+    "EngineMetrics",
     "Executor",
     "InvalidArgument",
     "KVCacheManager",

@@ -52,6 +52,9 @@ class SchedulerSettings(_Section):
     ttft_deadline_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     admission_lookahead: int = Field(default=64, ge=1)
     yield_pins_to_older: bool = False
+    admit_fraction: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    admit_max_wait_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    admit_horizon_s: float = Field(default=5.0, ge=0.0, allow_inf_nan=False)
 
 
 class ModelSettings(_Section):

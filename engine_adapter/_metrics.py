@@ -85,6 +85,11 @@ class _ScrapeCollector(Collector):
         ("hintflow_prefetched_blocks_total", "Host KV blocks copied back ahead of use by a Prefetch hint."),
         ("hintflow_dropped_host_blocks_total", "Host-tier KV blocks dropped to make room."),
         ("hintflow_preemptions_total", "Running requests preempted for memory."),
+        ("hintflow_admission_holds_total", "Admission checks that held a new program's first turn back."),
+    )
+    _ADMISSIONS = (
+        "hintflow_admissions_total",
+        "New programs' first turns admitted, by why: fit, idle (work conservation), aged (waited long).",
     )
 
     def __init__(self, core: EngineCore) -> None:
@@ -100,6 +105,7 @@ class _ScrapeCollector(Collector):
         gauges, counters = self._families()
         yield from gauges
         yield from counters
+        yield CounterMetricFamily(*self._ADMISSIONS, labels=["model_name", "reason"])
 
     def collect(self) -> Iterator[Metric]:
         core = self.core
@@ -127,13 +133,19 @@ class _ScrapeCollector(Collector):
                 st.prefetched_blocks,
                 st.dropped_host_blocks,
                 sched.num_preemptions,
+                sched.admit_stats["held"],
             )
+            admitted = {k: v for k, v in sched.admit_stats.items() if k != "held"}
         gauges, counters = self._families()
         label = [core.model_name]
         families: list[GaugeMetricFamily | CounterMetricFamily] = [*gauges, *counters]
         for fam, value in zip(families, gauge_values + counter_values, strict=True):
             fam.add_metric(label, float(value))
             yield fam
+        adm = CounterMetricFamily(*self._ADMISSIONS, labels=["model_name", "reason"])
+        for reason, n in sorted(admitted.items()):
+            adm.add_metric([core.model_name, reason], float(n))
+        yield adm
 
 
 class EngineMetrics:

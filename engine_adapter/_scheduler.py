@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ._executor import Clock, ScheduledBatch, ScheduledSeq, StepOutput
 from ._kv_manager import KVCacheManager
+from ._program_admission import ADMIT_HORIZON_S, InFlight, admit_verdict, working_set
 from ._request import Request, RequestState
 from ._session import SessionState
 
@@ -42,6 +43,7 @@ class _Step:
         self.cold_left = budget
         self.seqs: list[ScheduledSeq] = []
         self.scheduled: set[str] = set()
+        self.in_flight: InFlight | None = None  # computed when a new program first asks to start
 
     def limit(self, want: int, cold: bool) -> int:
         return min(want, self.budget, self.cold_left) if cold else min(want, self.budget)
@@ -74,6 +76,13 @@ class SchedulerConfig:
     # until it fits: a pin never keeps an older program's turn waiting.  Off: pins hold until they expire
     # or the deadlock rule drops them (Continuum's rule).
     yield_pins_to_older: bool = False
+    # Program admission (``_program_admission``): a program new to the node starts only while the whole
+    # contexts of the programs in flight here plus its prompt fit in this fraction of the device pool; it
+    # waits otherwise (smaller requests behind it go), unless nothing else runs (work-conserving) or it
+    # has waited ``admit_max_wait_s``.  None: off, a new program takes its blocks from the parked contexts.
+    admit_fraction: float | None = None
+    admit_max_wait_s: float | None = None
+    admit_horizon_s: float = ADMIT_HORIZON_S
 
 
 class Scheduler:
@@ -87,6 +96,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.on_finish: Callable[[Request], None] | None = None
         self.num_preemptions = 0
+        # program admission's checks, by outcome (``hintflow_admissions_total``, ``..._holds_total``)
+        self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
         self._seq = itertools.count()
         self._resort = False
 
@@ -239,6 +250,9 @@ class Scheduler:
             chunk = step.limit(uncached, cold_pass)
             if chunk <= 0:
                 return
+            if self._defer_new_program(step, req, len(tokens)):
+                i += 1
+                continue
             # Under the cold cap a cold prompt reserves its whole length at admission: it advances a
             # capped chunk per step, and one that runs out of memory half-way preempts others (their
             # contexts are lost and recomputed: a memory-bound node thrashed on it, 102 preemptions
@@ -276,6 +290,34 @@ class Scheduler:
             req.state = RequestState.RUNNING
             self.running.append(req)
             self._run(step, req, min(chunk, req.num_tokens - req.num_computed), cold_pass)
+
+    def _defer_new_program(self, step: _Step, req: Request, num_tokens: int) -> bool:
+        """Program admission: True while ``req`` starts a program new to this node that the programs in
+        flight leave no room for.  A start it lets through counts in the step's in-flight set at once, so
+        one step does not let in two programs that only fit alone."""
+        fraction = self.config.admit_fraction
+        s = req.session
+        if fraction is None or s.program_start_s is None or s.num_turns or s.token_ids or req.overdue:
+            return False
+        now = self.clock.now()
+        if step.in_flight is None:
+            step.in_flight = working_set(self.kv.sessions.values(), now, self.config.admit_horizon_s, self.kv.block_size)
+        cur = step.in_flight
+        if s.program_id in cur.programs:
+            return False
+        need = -(-num_tokens // self.kv.block_size)
+        why = admit_verdict(
+            cur.num_blocks, need, self.kv.device.num_blocks, fraction,
+            idle=not self.running and not step.seqs,
+            waited_s=now - req.arrival_s,
+            max_wait_s=self.config.admit_max_wait_s,
+        )  # fmt: skip
+        if why is None:
+            self.admit_stats["held"] += 1
+            return True
+        self.admit_stats[why] += 1
+        step.in_flight = InFlight(cur.num_blocks + need, cur.programs | {s.program_id})
+        return False
 
     def _preemption_victim(self, exclude: set[str]) -> Request | None:
         candidates = [r for r in self.running if r.request_id not in exclude]

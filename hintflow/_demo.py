@@ -47,6 +47,10 @@ class DemoConfig:
     device_blocks: int = 192  # per node, 16 tokens each: about a third of the live contexts in all
     fcfs_aging_s: float | None = None  # hintflow nodes: program FCFS with at most this head start
     ttft_deadline_s: float | None = None  # hintflow nodes: a request waiting this long goes first
+    # hintflow nodes: a new program starts only while the active programs' contexts fit the device pool
+    # (SchedulerConfig.admit_fraction); on these CPU nodes a step costs about its tokens, so
+    # a context re-prefilled costs as much as the batching it bought (see docs/benchmarks.md)
+    admit_fraction: float | None = 1.0
     seed: int = 0
 
 
@@ -72,7 +76,10 @@ async def run_mode(
         # hintflow nodes order by program age with a bounded head start (see SchedulerConfig)
         program_fcfs_aging_s=None if stock else cfg.fcfs_aging_s,
         ttft_deadline_s=None if stock else cfg.ttft_deadline_s,
-        scheduler_overrides=scheduler_overrides,
+        scheduler_overrides={
+            **({} if stock else {"admit_fraction": cfg.admit_fraction}),
+            **(scheduler_overrides or {}),
+        },
     ) as engines:
         run = RunConfig(
             example="coding-agent",

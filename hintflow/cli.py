@@ -468,6 +468,14 @@ def bench(as_json: bool, **kwargs: Any) -> None:
     help="hintflow nodes: a request that has waited this long goes ahead of pins and program order.  [default: off]",
 )
 @click.option(
+    "--admit-fraction",
+    type=click.FloatRange(min=0.0),
+    default=1.0,
+    show_default=True,
+    help="hintflow nodes: a new program starts only while the in-flight programs' contexts fit in this share "
+    "of the KV pool (program admission; 0: off).",
+)
+@click.option(
     "--out",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -484,6 +492,7 @@ def demo(
     temporal: str | None,
     fcfs_aging_s: float | None,
     ttft_deadline_s: float | None,
+    admit_fraction: float,
     out_dir: Path,
 ) -> None:
     """Coding agents on Temporal and two engine nodes: vLLM-like behaviour, then with hints; side by side."""
@@ -500,6 +509,7 @@ def demo(
         seed=seed,
         fcfs_aging_s=fcfs_aging_s,
         ttft_deadline_s=ttft_deadline_s,
+        admit_fraction=admit_fraction or None,
     )
     click.echo(
         f"starting Temporal and {num_nodes} torch engine nodes; {programs} coding-agent programs x {turns} turns, "

@@ -8,6 +8,7 @@ import pytest
 
 from engine_adapter import (
     EngineCore,
+    EngineMetrics,
     InvalidArgument,
     Request,
     ScheduledBatch,
@@ -411,3 +412,71 @@ def test_a_priority_that_comes_before_its_turn_places_the_turn_in_its_programs_o
     assert not core.apply_hints([Priority(session_id="ghost", program_age_s=1.0)])[0].ok
     assert not core.apply_hints([Priority(session_id="moved", program_id="other", program_age_s=1.0)])[0].ok
     assert core.apply_hints([Release(program_id="po")])[0].ok and "moved" not in core.kv.sessions
+
+
+def _admission_node(fraction: float | None) -> tuple[EngineCore, random.Random]:
+    # 24 blocks x 16 tokens.  Program "pa" has run a first turn here (240 tokens, 15 blocks, parked and
+    # unpinned: any start could take its blocks).
+    core = make_core(blocks=24, admit_fraction=fraction)  # type: ignore[arg-type]
+    rng = random.Random(12)
+    assert core.apply_hints([Priority(session_id="a", program_id="pa", program_age_s=0.0)])[0].ok
+    core.submit(rand_tokens(rng, 240), 1, session_id="a", program_id="pa")
+    core.run_until_idle()
+    return core, rng
+
+
+@pytest.mark.parametrize("fraction", [None, 1.0])
+def test_program_admission_keeps_a_new_program_out_until_the_active_ones_leave_room(
+    fraction: float | None,
+) -> None:
+    # A plain request decodes (not a program: never held back, 8 blocks at most); program "pb"'s 200-token
+    # first turn (13 blocks) arrives.  Active contexts 15 + 13 > 24 blocks: with the rule "pb" waits and
+    # "pa" keeps its context; without it "pb" takes "pa"'s blocks.  Once "pa" is released "pb" starts.
+    core, rng = _admission_node(fraction)
+    runner = core.submit(rand_tokens(rng, 20), 100, session_id="plain", program_id="plain")
+    core.step()
+    assert core.apply_hints([Priority(session_id="b", program_id="pb", program_age_s=0.0)])[0].ok
+    b = core.submit(rand_tokens(rng, 200), 1, session_id="b", program_id="pb")
+    for _ in range(3):
+        core.step()
+    held = fraction is not None
+    assert (b.first_token_s is None) is held
+    assert (len(core.kv.sessions["a"].block_ids) == 15) is held
+    assert runner.output  # the plain request went on meanwhile
+    assert core.apply_hints([Release(program_id="pa")])[0].ok
+    core.step()
+    core.step()
+    assert b.first_token_s is not None
+    metrics = EngineMetrics(core).registry
+    holds = metrics.get_sample_value("hintflow_admission_holds_total", {"model_name": core.model_name})
+    fits = metrics.get_sample_value("hintflow_admissions_total", {"model_name": core.model_name, "reason": "fit"})
+    assert (holds, fits) == ((3.0, 2.0) if held else (0.0, 0.0))  # a hold per step; "pa" and "pb" fit
+    core.run_until_idle()
+    core.check_invariants()
+
+
+def test_program_admission_is_work_conserving_and_forgets_idle_programs() -> None:
+    # Nothing else runs: "pb" starts at once although it does not fit beside "pa" (an idle node admits).
+    core, rng = _admission_node(1.0)
+    assert core.apply_hints([Priority(session_id="b", program_id="pb", program_age_s=0.0)])[0].ok
+    b = core.submit(rand_tokens(rng, 200), 1, session_id="b", program_id="pb")
+    core.step()
+    assert b.first_token_s is not None
+    core.run_until_idle()
+    # Beside a decode "pc" waits while "pa" and "pb" are active (15 + 13 + 13 > 24 blocks); once both
+    # have been idle past admit_horizon_s (5 s) they no longer hold a place, and "pc" starts.
+    core.submit(rand_tokens(rng, 20), 100, session_id="plain", program_id="plain")
+    core.step()
+    assert core.apply_hints([Priority(session_id="c", program_id="pc", program_age_s=0.0)])[0].ok
+    c = core.submit(rand_tokens(rng, 200), 1, session_id="c", program_id="pc")
+    core.step()
+    core.step()
+    assert c.first_token_s is None
+    clock = core.clock
+    assert isinstance(clock, VirtualClock)
+    clock.advance_to(clock.now() + 6.0)
+    core.step()
+    core.step()
+    assert c.first_token_s is not None
+    core.run_until_idle()
+    core.check_invariants()

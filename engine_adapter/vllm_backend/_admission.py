@@ -11,7 +11,8 @@ per-request check) without importing vLLM, so it reads as plain Python.
   when its pin is dropped while it waits; the embedded scheduler's queue order (``Request.sort_key``);
 - ``_yield_pins_to_older``: pins of programs younger than the queue's head let go until the head fits;
 - program admission (``_handle_blocked_waiting_request``): a program's first turn waits while the contexts
-  of the programs in flight fill the pool, unless the engine would idle or it has waited long enough.
+  of the programs in flight fill the pool, unless the engine would idle or it has waited long enough
+  (the rule is ``engine_adapter/_program_admission.py``'s, the embedded node's too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from typing import Any
 
 from engine_adapter._pin_order import yield_order
+from engine_adapter._program_admission import ADMIT_HORIZON_S, admit_verdict
 
 from ._sessions import VSession, session_start
 
@@ -31,9 +33,6 @@ PRIORITY_SCALE = 10**12
 ``class * CLASS_SCALE + band * PRIORITY_SCALE + ms``, so it orders by class, then band, then program start."""
 CLASS_SCALE = 2 * PRIORITY_SCALE
 """One priority class spans two bands: turns whose session holds a pin (band 0), then the rest (band 1)."""
-ADMIT_HORIZON_S = 5.0
-"""A parked program whose context is not pinned still counts as in flight for this long after its turn
-(its tool is probably still running; it will need its context back)."""
 
 
 class QueueRules:
@@ -172,14 +171,11 @@ class QueueRules:
         if st is None or not self._is_new_program_turn(request):
             return True
         blocks = -(-request.num_tokens // self.block_size)
-        waited = time.time() - request.arrival_time
-        if st[0] + blocks <= self.admit_fraction * self.book.num_blocks:
-            why = "fit"
-        elif st[1]:
-            why = "idle"  # work conservation: never leave the engine idle while a program waits
-        elif waited >= self.admit_max_wait_s:
-            why = "aged"
-        else:
+        why = admit_verdict(
+            st[0], blocks, self.book.num_blocks, self.admit_fraction,
+            idle=st[1], waited_s=time.time() - request.arrival_time, max_wait_s=self.admit_max_wait_s,
+        )  # fmt: skip
+        if why is None:
             self.admit_stats["held"] += 1
             return False
         self.admit_stats[why] += 1

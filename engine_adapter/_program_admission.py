@@ -1,0 +1,77 @@
+"""Program admission: a program's first turn waits while the programs already in flight fill the pool.
+
+A node short of memory that starts a new program makes room by evicting the parked contexts of programs
+it is already serving; each of those re-prefills what it lost on its next turn, and the programs it let
+in grow into each other's memory turn after turn.  Measured in ``hintflow demo`` (two torch nodes of 192
+blocks, contexts of 1,000-2,200 tokens): three to four programs a node shared the pool, each turn
+re-prefilled a tail about 130 tokens longer than the last, and the programs that arrived last waited 60 s
+for memory.  So a program new to the node starts only while the in-flight programs' contexts plus its
+prompt fit in ``fraction`` of the pool, unless the engine would otherwise idle (work conservation) or it
+has waited ``max_wait_s``.
+
+Both engines ask :func:`admit_verdict`; each counts its in-flight programs from its own session book
+(:func:`working_set` for the embedded node, ``vllm_backend/_admission.py`` for vLLM) by the same rule:
+a program is in flight while one of its sessions that has started here is running, queued, pinned, or was
+used within ``horizon_s`` (its tool is probably still running; it will want its context back), and it
+counts that session's whole context, not what is still resident.
+
+What it trades: batching.  Where a step costs about its tokens (a CPU) a re-prefilled context costs as
+much as the concurrency it bought, and this rule wins; where more sequences in a step are nearly free (a
+GPU decoding) it can cost throughput (docs/benchmarks.md has both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ._session import Session, SessionState
+
+__all__ = ["ADMIT_HORIZON_S", "AdmitReason", "InFlight", "admit_verdict", "working_set"]
+
+ADMIT_HORIZON_S = 5.0
+"""A parked program whose context is not pinned still counts as in flight for this long after its turn."""
+
+AdmitReason = str  # "fit" | "idle" | "aged"
+
+
+def admit_verdict(
+    in_flight_blocks: int,
+    num_blocks: int,
+    pool_blocks: int,
+    fraction: float,
+    *,
+    idle: bool,
+    waited_s: float,
+    max_wait_s: float | None,
+) -> AdmitReason | None:
+    """Why a new program's first turn of ``num_blocks`` may start now, or None: it waits."""
+    if in_flight_blocks + num_blocks <= fraction * pool_blocks:
+        return "fit"
+    if idle:
+        return "idle"  # work conservation: never leave the engine idle while a program waits
+    if max_wait_s is not None and waited_s >= max_wait_s:
+        return "aged"
+    return None
+
+
+@dataclass(frozen=True)
+class InFlight:
+    num_blocks: int
+    programs: frozenset[str]
+
+
+def working_set(sessions: Iterable[Session], now: float, horizon_s: float, block_size: int) -> InFlight:
+    """The embedded node's in-flight programs and the device blocks their whole contexts take."""
+    num_blocks = 0
+    programs: set[str] = set()
+    for s in sessions:
+        if s.program_start_s is None or s.released:
+            continue  # not a hinted program's session (a plain request), or its program ended
+        if not s.token_ids and s.state is not SessionState.RUNNING:
+            continue  # a first turn still queued (or a Priority's record): not started here yet
+        if s.state is SessionState.PARKED and s.pin_deadline_s is None and now - s.last_used_s >= horizon_s:
+            continue
+        programs.add(s.program_id)
+        num_blocks += -(-len(s.token_ids) // block_size)
+    return InFlight(num_blocks, frozenset(programs))
