@@ -9,7 +9,8 @@ Each step fills a token budget in this order::
     5. waiting cold requests  /     the whole remaining budget when they did not (work-conserving)
 
 A request is *cold* when more than ``warm_threshold_tokens`` of its prompt must be computed (a new
-session, or a context that was evicted); a warm resume has most of its prompt cached.  So a huge cold
+session, or a context that was evicted; with ``resumes_are_warm`` only a session's first turn here); a
+warm resume has most of its prompt cached.  So a huge cold
 prompt advances every step yet cannot stand in front of the resumes that need only a few hundred tokens:
 the queue-behind-a-prefill-backlog failure of seed 000.
 
@@ -83,6 +84,9 @@ class SchedulerConfig:
     admit_fraction: float | None = None
     admit_max_wait_s: float | None = None
     admit_horizon_s: float = ADMIT_HORIZON_S
+    # A turn of a session this node has served counts as warm even when it must recompute an evicted
+    # tail: the cold cap is for new prompts, and a resume throttled behind them stalls a program mid-run.
+    resumes_are_warm: bool = False
 
 
 class Scheduler:
@@ -244,7 +248,10 @@ class Scheduler:
             if not req.admitted:  # (after a preemption the plan includes this turn's own tokens)
                 req.num_history_tokens = max(req.num_history_tokens, plan.num_history_tokens)
             uncached = len(tokens) - plan.num_hit_tokens
-            if (uncached > self.config.warm_threshold_tokens) != cold_pass:
+            cold = uncached > self.config.warm_threshold_tokens
+            if cold and self.config.resumes_are_warm and (s.num_turns or req.admitted):
+                cold = False  # a turn of a session this node served: a resume, whatever it recomputes
+            if cold != cold_pass:
                 i += 1
                 continue
             chunk = step.limit(uncached, cold_pass)

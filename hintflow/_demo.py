@@ -51,6 +51,9 @@ class DemoConfig:
     # (SchedulerConfig.admit_fraction); on these CPU nodes a step costs about its tokens, so
     # a context re-prefilled costs as much as the batching it bought (see docs/benchmarks.md)
     admit_fraction: float | None = 1.0
+    # hintflow nodes: a resume that must recompute an evicted tail is not throttled as cold behind the
+    # competing clients' new prompts (SchedulerConfig.resumes_are_warm; see docs/benchmarks.md)
+    resumes_are_warm: bool = True
     seed: int = 0
 
 
@@ -77,7 +80,7 @@ async def run_mode(
         program_fcfs_aging_s=None if stock else cfg.fcfs_aging_s,
         ttft_deadline_s=None if stock else cfg.ttft_deadline_s,
         scheduler_overrides={
-            **({} if stock else {"admit_fraction": cfg.admit_fraction}),
+            **({} if stock else {"admit_fraction": cfg.admit_fraction, "resumes_are_warm": cfg.resumes_are_warm}),
             **(scheduler_overrides or {}),
         },
     ) as engines:

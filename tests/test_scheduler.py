@@ -480,3 +480,32 @@ def test_program_admission_is_work_conserving_and_forgets_idle_programs() -> Non
     assert c.first_token_s is not None
     core.run_until_idle()
     core.check_invariants()
+
+
+@pytest.mark.parametrize("resumes_are_warm", [False, True])
+def test_a_resume_that_recomputes_is_capped_as_cold_unless_resumes_are_warm(resumes_are_warm: bool) -> None:
+    # Session "a" ran a 40-token turn; a 1,000-token plain prompt then took its blocks.  Its next turn
+    # must recompute all 45 tokens while a plain decode shares the step: as a cold prefill it gets 16
+    # tokens a step (three steps to its first token); as a resume with resumes_are_warm, one step.
+    core = make_core(
+        blocks=64, max_num_batched_tokens=64, cold_prefill_budget_tokens=16, warm_threshold_tokens=8,
+        resumes_are_warm=resumes_are_warm,
+    )  # fmt: skip
+    rng = random.Random(13)
+    p1 = rand_tokens(rng, 40)
+    first = core.submit(p1, 1, session_id="a", program_id="pa")
+    core.run_until_idle()
+    core.submit(rand_tokens(rng, 1000), 1, session_id="big", program_id="big")
+    core.run_until_idle()
+    core.submit(rand_tokens(rng, 8), 50, session_id="plain", program_id="plain")
+    core.step()
+    assert core.kv.sessions["a"].block_ids == []  # evicted
+    resume = core.submit(p1 + first.output + rand_tokens(rng, 4), 1, session_id="a")
+    steps = 0
+    while resume.first_token_s is None:
+        core.step()
+        steps += 1
+    assert steps == (1 if resumes_are_warm else 3)
+    assert resume.num_recomputed_tokens == 40
+    core.run_until_idle()
+    core.check_invariants()
