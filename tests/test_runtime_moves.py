@@ -225,6 +225,11 @@ async def test_a_turn_hints_go_to_the_node_the_turn_is_routed_to(start_engine: A
         assert second.node == b.address
         assert [h.session_id for h in sent[b.address] if isinstance(h, Priority)] == ["s1"]
         assert [type(h) for h in sent[a.address]].count(Priority) == 1  # none for the turn that left a
+        # Placed again (a failover or a queued move does this): sent again, but produced, and counted, once.
+        emitted = rt.registry.get_sample_value("hintflow_hints_emitted_total", {"kind": "priority"})
+        rt._place_turn_hints(rt.sessions["s1"])
+        assert [h.session_id for h in sent[b.address] if isinstance(h, Priority)] == ["s1", "s1"]
+        assert rt.registry.get_sample_value("hintflow_hints_emitted_total", {"kind": "priority"}) == emitted == 2.0
         rt.turn_ended(PROGRAM, "s1", None)
     finally:
         await rt.stop()

@@ -159,6 +159,7 @@ class _SessionInfo:
     # turn: they go to each node the turn is placed on, not to where its last turn ran (a node that never
     # saw the program would queue the turn as a new program's: behind every other program's turns).
     turn_hints: list[HintModel] = field(default_factory=list)
+    turn_hints_counted: bool = False  # placed once: a re-send (failover, queued move) is not counted again
 
 
 class HintRuntime:
@@ -528,6 +529,7 @@ class HintRuntime:
         self.pin_outcomes.setdefault(session_id, []).append(outcome)
         self._close_pause(s, session_id, now)
         ev = TurnStarted(program_id, session_id, now, context_tokens, workflow)
+        s.turn_hints_counted = False
         if routed:  # held until generate has placed the turn (_place_turn_hints)
             s.turn_hints = self._feed(ev, publish=False)
         else:
@@ -697,13 +699,15 @@ class HintRuntime:
         s = self.sessions.get(session_id)
         return s.node if s is not None and s.node in self.publishers else None
 
-    def publish(self, hints: Sequence[HintModel]) -> list[HintModel]:
+    def publish(self, hints: Sequence[HintModel], *, count: bool = True) -> list[HintModel]:
         """Send each hint to the node(s) it concerns; a user policy's are validated again first (see
-        :meth:`_valid`).  Returns the hints that passed."""
+        :meth:`_valid`).  Returns the hints that passed.  ``count=False``: hints sent before, sent again
+        (``hintflow_hints_emitted_total`` counts what the policy produced, once)."""
         hints = list(hints) if self._policy_validates else self._valid(hints)
         pin_deadlines: dict[tuple[str, str], float] = {}
         for h in hints:
-            self._m_hints.labels(h.kind).inc()
+            if count:
+                self._m_hints.labels(h.kind).inc()
             if isinstance(h, Pin) and h.ttl_s > 0.0:
                 # The node's lease runs from receipt, never before now: now + ttl is a lower bound of its
                 # deadline, so "held" in the stats is never claimed for a pin the node let go.
@@ -752,7 +756,8 @@ class HintRuntime:
         """The turn's own hints to the node it was just placed on (``s.node``), before its request: a
         Priority that lands after the request still re-sorts the queue at once."""
         if s.turn_hints:
-            self.publish(s.turn_hints)
+            s.turn_hints = self.publish(s.turn_hints, count=not s.turn_hints_counted)
+            s.turn_hints_counted = True
 
     async def generate(self, program_id: str, inp: LLMInput) -> LLMResult:
         """Route the call, run it on a node; another node is tried when the chosen one is unreachable or its
