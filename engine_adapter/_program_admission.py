@@ -13,7 +13,7 @@ Both engines ask :func:`admit_verdict`; each counts its in-flight programs from 
 (:func:`working_set` for the embedded node, ``vllm_backend/_admission.py`` for vLLM) by the same rule:
 a program is in flight while one of its sessions that has started here is running, queued, pinned, or was
 used within ``horizon_s`` (its tool is probably still running; it will want its context back), and it
-counts that session's whole context, not what is still resident.
+counts that session's whole context (a live turn's whole request), not what is still resident.
 
 What it trades: batching.  Where a step costs about its tokens (a CPU) a re-prefilled context costs as
 much as the concurrency it bought, and this rule wins; where more sequences in a step are nearly free (a
@@ -22,7 +22,7 @@ GPU decoding) it can cost throughput (docs/benchmarks.md has both).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ._session import Session, SessionState
@@ -61,8 +61,11 @@ class InFlight:
     programs: frozenset[str]
 
 
-def working_set(sessions: Iterable[Session], now: float, horizon_s: float, block_size: int) -> InFlight:
-    """The embedded node's in-flight programs and the device blocks their whole contexts take."""
+def working_set(
+    sessions: Iterable[Session], now: float, horizon_s: float, block_size: int, live: Mapping[Session, int]
+) -> InFlight:
+    """The embedded node's in-flight programs and the device blocks their whole contexts take; ``live``:
+    each running or queued turn's full length (its context once the turn is done), as vLLM's rule counts."""
     num_blocks = 0
     programs: set[str] = set()
     for s in sessions:
@@ -73,5 +76,5 @@ def working_set(sessions: Iterable[Session], now: float, horizon_s: float, block
         if s.state is SessionState.PARKED and s.pin_deadline_s is None and now - s.last_used_s >= horizon_s:
             continue
         programs.add(s.program_id)
-        num_blocks += -(-len(s.token_ids) // block_size)
+        num_blocks += -(-max(len(s.token_ids), live.get(s, 0)) // block_size)
     return InFlight(num_blocks, frozenset(programs))

@@ -308,7 +308,10 @@ class Scheduler:
             return False
         now = self.clock.now()
         if step.in_flight is None:
-            step.in_flight = working_set(self.kv.sessions.values(), now, self.config.admit_horizon_s, self.kv.block_size)
+            live = {r.session: r.num_tokens for r in (*self.running, *self.waiting)}
+            step.in_flight = working_set(
+                self.kv.sessions.values(), now, self.config.admit_horizon_s, self.kv.block_size, live
+            )
         cur = step.in_flight
         if s.program_id in cur.programs:
             return False

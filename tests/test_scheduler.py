@@ -509,3 +509,23 @@ def test_a_resume_that_recomputes_is_capped_as_cold_unless_resumes_are_warm(resu
     assert resume.num_recomputed_tokens == 40
     core.run_until_idle()
     core.check_invariants()
+
+
+def test_program_admission_counts_a_running_first_turn_at_its_full_length() -> None:
+    # 64 blocks, 64 tokens a step.  "pa"'s 600-token first turn (38 blocks) prefills alone for nine steps;
+    # at the tenth, 24 tokens are left and "pb"'s 430-token first turn (27 blocks) is looked at.  "pa"
+    # counts at its full length, as vLLM's rule counts a live request: 38 + 27 > 64 and "pb" waits (by
+    # the 576 tokens computed so far it would fit: 36 + 27).  Once "pa" is done nothing runs: "pb" starts.
+    core = make_core(blocks=64, max_num_batched_tokens=64, admit_fraction=1.0)  # type: ignore[arg-type]
+    rng = random.Random(14)
+    for sid in ("a", "b"):
+        assert core.apply_hints([Priority(session_id=sid, program_id=f"p{sid}", program_age_s=0.0)])[0].ok
+    a = core.submit(rand_tokens(rng, 600), 1, session_id="a", program_id="pa")
+    b = core.submit(rand_tokens(rng, 430), 1, session_id="b", program_id="pb")
+    for _ in range(10):
+        core.step()
+    assert a.first_token_s is not None and b.first_scheduled_s is None
+    assert core.scheduler.admit_stats["held"] == 1
+    core.run_until_idle()
+    assert b.output and core.scheduler.admit_stats["idle"] == 1
+    core.check_invariants()
