@@ -314,20 +314,15 @@ class KVCacheManager(HostTier):
     def next_due_s(self) -> float:
         """When the next pin lease or prefetch may fall due (``inf`` if none): until then ``tick`` changes
         nothing.  Heap tops, so a lease renewed or ended since can only make this early, never late."""
-        due = [h[0][0] for h in (self._pin_expiry, self._prefetch_due) if h]
-        return min(due) if due else float("inf")
+        prefetch_s = self._prefetch_due[0][0] if self._prefetch_due else float("inf")
+        return min(self.leases.next_due_s(), prefetch_s)
 
     def tick(self) -> bool:
         """Expire pin leases and run due prefetches; cheap when nothing is due. True if anything changed."""
         now = self.clock.now()
         changed = False
-        while self._pin_expiry and self._pin_expiry[0][0] <= now:
-            _, seq, sid = heapq.heappop(self._pin_expiry)
-            s = self.sessions.get(sid)
-            if s is None or s.pin_seq != seq or s.pin_deadline_s is None:
-                continue
-            if s.state is SessionState.WAITING:
-                continue  # its next turn is queued: the pin is consumed at admission instead
+        # (a session whose next turn is queued keeps its lease: the pin is consumed at admission instead)
+        for s in self.leases.lapsed(now, self.sessions.get, lambda x: x.state is SessionState.WAITING):
             self._unpin(s)
             s.pin_deadline_s = None
             self.stats.pin_expiries += 1
@@ -335,8 +330,8 @@ class KVCacheManager(HostTier):
             changed = True
         while self._prefetch_due and self._prefetch_due[0][0] <= now:
             _, _, sid = heapq.heappop(self._prefetch_due)
-            s = self.sessions.get(sid)
-            if s is not None and s.state is SessionState.PARKED and s.host_block_ids:
-                self._prefetch(s)
+            due = self.sessions.get(sid)
+            if due is not None and due.state is SessionState.PARKED and due.host_block_ids:
+                self._prefetch(due)
                 changed = True
         return changed

@@ -8,7 +8,6 @@ lifecycle (attach, run, park, free) on top.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from predictors import HostHitShare
 from ._block_pool import NONE_HASH, BlockPool, hash_block_tokens
 from ._eviction import SessionHeap, get_eviction_policy
 from ._executor import Clock, CopyOp
+from ._pin_lease import PinLeases
 from ._pin_order import deadlock_victims, program_start, yield_order
 from ._session import Session, SessionState
 
@@ -78,13 +78,11 @@ class SessionTable:
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if not 0.0 <= pin_budget_fraction < 1.0:
-            raise ValueError(f"pin_budget_fraction must be in [0, 1), got {pin_budget_fraction}")
         self.block_size = block_size
         self.clock = clock
         self.device = BlockPool(num_device_blocks)
         self.host = BlockPool(num_host_blocks, enable_prefix_index=False)
-        self.pin_budget_blocks = int(pin_budget_fraction * num_device_blocks)
+        self.leases = PinLeases(num_device_blocks, pin_budget_fraction)
         self.policy = get_eviction_policy(eviction_policy)
         # False reproduces vLLM: a finished request's blocks go straight to the free queue (LRU).
         self.retain_contexts = retain_contexts
@@ -100,8 +98,6 @@ class SessionTable:
         self.programs: dict[str, dict[str, None]] = {}
         self.pending_copies: list[CopyOp] = []
         self.stats = KVStats()
-        self._pin_count = [0] * num_device_blocks
-        self.num_pinned_blocks = 0
         self._device_evictable: SessionHeap[Session] = SessionHeap()
         # Unpinned device blocks of parked and queued sessions: an upper bound on what evicting could free
         # (shared blocks free only with their last holder), so an allocation that cannot succeed fails at
@@ -109,7 +105,6 @@ class SessionTable:
         self.num_evictable_blocks = 0
         self._evictable: dict[Session, int] = {}
         self._host_holders: SessionHeap[Session] = SessionHeap()
-        self._pin_expiry: list[tuple[float, int, str]] = []
         self._prefetch_due: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         # Only set_waiting makes a session WAITING, so every WAITING session is a key here: the queued
@@ -202,16 +197,19 @@ class SessionTable:
         return best
 
     # ---- pins ----------------------------------------------------------------------------------
+    @property
+    def pin_budget_blocks(self) -> int:
+        return self.leases.budget_blocks
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self.leases.num_pinned_blocks
+
     def set_pin(self, s: Session, ttl_s: float) -> PinResult:
         if ttl_s <= 0:
-            self._unpin(s)
-            s.pin_deadline_s = None
-            self._refresh(s)
+            self._drop_pin(s)
             return PinResult(0, 0)
-        now = self.clock.now()
-        s.pin_deadline_s = now + ttl_s
-        s.pin_seq = next(self._seq)
-        heapq.heappush(self._pin_expiry, (s.pin_deadline_s, s.pin_seq, s.session_id))
+        self.leases.grant(s, self.clock.now(), ttl_s)
         if s.state is not SessionState.PARKED:
             return PinResult(0, len(s.block_ids), deferred=True)
         result = self._grant_pin(s)
@@ -221,13 +219,8 @@ class SessionTable:
     def _grant_pin(self, s: Session) -> PinResult:
         want = len(s.block_ids)
         j = s.pinned_blocks
-        while j < want:
-            bid = s.block_ids[j]
-            if self._pin_count[bid] == 0:
-                if self.num_pinned_blocks >= self.pin_budget_blocks:
-                    break
-                self.num_pinned_blocks += 1
-            self._pin_count[bid] += 1
+        hold = self.leases.hold
+        while j < want and hold(s.block_ids[j]):
             j += 1
         s.pinned_blocks = j
         result = PinResult(j, want)
@@ -236,10 +229,9 @@ class SessionTable:
         return result
 
     def _unpin(self, s: Session) -> None:
+        let_go = self.leases.let_go
         for bid in s.block_ids[: s.pinned_blocks]:
-            self._pin_count[bid] -= 1
-            if self._pin_count[bid] == 0:
-                self.num_pinned_blocks -= 1
+            let_go(bid)
         s.pinned_blocks = 0
 
     def consume_pin(self, s: Session) -> None:
@@ -284,7 +276,7 @@ class SessionTable:
         self.host.check_invariants()
         dev_refs = [0] * self.device.num_blocks
         host_refs = [0] * self.host.num_blocks
-        pins = [0] * self.device.num_blocks
+        pins: dict[int, int] = {}
         for s in self.sessions.values():
             for bid in s.block_ids:
                 dev_refs[bid] += 1
@@ -293,7 +285,7 @@ class SessionTable:
             if len(s.saved_host_ids) > len(s.block_ids):
                 raise AssertionError(f"{s.session_id}: write-through copies past its device blocks")
             for bid in s.block_ids[: s.pinned_blocks]:
-                pins[bid] += 1
+                pins[bid] = pins.get(bid, 0) + 1
             if s.pinned_blocks > len(s.block_ids):
                 raise AssertionError(f"{s.session_id}: pins past its blocks")
         for b in self.device.blocks:
@@ -302,10 +294,7 @@ class SessionTable:
         for b in self.host.blocks:
             if b.ref_cnt != host_refs[b.block_id]:
                 raise AssertionError(f"host {b!r}: ref_cnt != {host_refs[b.block_id]} session references")
-        if pins != self._pin_count or sum(1 for p in pins if p) != self.num_pinned_blocks:
-            raise AssertionError("pin counts disagree with sessions")
-        if self.num_pinned_blocks > max(self.pin_budget_blocks, 0):
-            raise AssertionError("pinned blocks over budget")
+        self.leases.check(pins)
         evictable = sum(len(s.block_ids) - s.pinned_blocks for s in self.sessions.values()
                         if s.state is not SessionState.RUNNING)
         if evictable != self.num_evictable_blocks or sum(self._evictable.values()) != evictable:

@@ -165,13 +165,12 @@ def deep_check(core: EngineCore, ex: TrackingExecutor) -> None:
             assert have_key == b.token_key, (
                 f"prefix index: block {bid} is indexed as {b.token_key} but holds {have_key} (ref {b.ref_cnt})"
             )
-    scheduled = {(sid, seq) for _, seq, sid in kv._pin_expiry}
     for s in kv.sessions.values():
         assert not (s.pinned_blocks and s.pin_deadline_s is None), f"{s.session_id}: pinned blocks without a lease"
         assert not (
             s.state is SessionState.PARKED
             and s.pin_deadline_s is not None
-            and (s.session_id, s.pin_seq) not in scheduled
+            and not kv.leases.scheduled(s)
         ), f"{s.session_id}: parked with a lease to {s.pin_deadline_s} (now {kv.clock.now()}) but no expiry scheduled"
     assert not ex.errors, f"executor saw wrong cached KV: {ex.errors[:3]}"
 

@@ -95,3 +95,35 @@ def test_a_program_that_started_at_time_zero_is_the_oldest() -> None:
     sessions = [("x", "X", 0.0, 9.0), ("y", "Y", 4.0, 1.0)]  # X started first but was seen later
     victims = deadlock_victims(sessions, start=lambda s: s[2], seen=lambda s: s[3], program=lambda s: s[1])
     assert [v[0] for v in victims] == ["y"]
+
+
+def test_leases_run_out_alike_on_both_engines_but_hold_while_the_next_turn_waits() -> None:
+    """One lease rule (``engine_adapter._pin_lease``): past its deadline a parked session's pin goes and is
+    counted; a session whose next turn is queued keeps it until that turn is admitted."""
+    kv, es = _embedded()
+    book, vs = _vllm()
+    kv.set_waiting(es["a1"])  # a1's next turn is queued on both nodes
+    book.on_request_added(vs["a1"], "a1-next")
+    kv.clock.advance(61.0)  # type: ignore[attr-defined]
+    book.clock.t += 61.0  # type: ignore[attr-defined]
+    assert kv.tick() and book.expire()
+    assert _pinned_embedded(es) == _pinned_vllm(vs) == {"a1"}
+    assert kv.stats.pin_expiries == book.stats.pin_expiries == 4
+    kv.consume_pin(es["a1"])  # admitted: the pin did its job, and is not counted as run out
+    book.on_admitted(vs["a1"], "a1-next")
+    assert _pinned_embedded(es) == _pinned_vllm(vs) == set()
+    assert kv.num_pinned_blocks == book.num_pinned_blocks == 0
+    assert kv.stats.pin_expiries == book.stats.pin_expiries == 4
+    kv.check_invariants()
+    book.check_invariants()
+
+
+def test_the_pin_budget_counts_distinct_blocks_on_both_engines() -> None:
+    kv, es = _embedded()  # 64 blocks at 0.9: a budget of 57; the scene pins 10
+    book, vs = _vllm()
+    assert kv.pin_budget_blocks == book.pin_budget_blocks == 57
+    assert kv.num_pinned_blocks == book.num_pinned_blocks == 10
+    assert kv.set_pin(es["a1"], 30.0).pinned_blocks == book.set_pin(vs["a1"], 30.0).pinned_blocks == 2
+    assert kv.num_pinned_blocks == book.num_pinned_blocks == 10  # a renewed lease pins nothing twice
+    kv.check_invariants()
+    book.check_invariants()

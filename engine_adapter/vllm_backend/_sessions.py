@@ -20,8 +20,6 @@ Callers hold the scheduler's lock; nothing here is thread-safe on its own.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -29,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapter._kv_manager import PinResult  # the embedded engine's answer to a pin, shared
+from engine_adapter._pin_lease import PinLeases
 from engine_adapter._pin_order import deadlock_victims, program_start
 
 from ._free_queue import Block, place_by_next_use
@@ -113,25 +112,24 @@ class SessionBook:
         pin_budget_fraction: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0.0 <= pin_budget_fraction < 1.0:
-            raise ValueError(f"pin_budget_fraction must be in [0, 1), got {pin_budget_fraction}")
         self.pool = pool
         self.num_blocks = num_blocks
-        self.pin_budget_blocks = int(pin_budget_fraction * num_blocks)
+        self.leases = PinLeases(num_blocks, pin_budget_fraction)
         self.clock = clock
         self.sessions: dict[str, VSession] = {}
         self.programs: dict[str, set[str]] = {}
         self.stats = BookStats()
-        self._pin_count: dict[int, int] = {}  # block id -> pins holding it
-        self._expiry: list[tuple[float, int, str]] = []
-        self._seq = itertools.count(1)
         self._next_sweep_s = 0.0
         # called as a session is forgotten, with whether it was released (the host tier demotes its blocks)
         self.on_forget: Callable[[str, bool], Any] | None = None
 
     @property
     def num_pinned_blocks(self) -> int:
-        return len(self._pin_count)
+        return self.leases.num_pinned_blocks
+
+    @property
+    def pin_budget_blocks(self) -> int:
+        return self.leases.budget_blocks
 
     # ---- sessions and requests ---------------------------------------------------------------------
     def session(self, session_id: str, program_id: str = "") -> VSession:
@@ -207,7 +205,7 @@ class SessionBook:
             return
         # expire() popped the lease's entry while this request waited (a waiting session's lease is kept):
         # queue it again, or the pin would outlive its deadline
-        heapq.heappush(self._expiry, (s.pin_deadline_s, s.pin_seq, s.session_id))
+        self.leases.reschedule(s)
         if not s.live and s.pin_deadline_s > self.clock():
             self._grant(s, [b for b, _ in s.snapshot], already_referenced=False, hashes=s.snapshot)
 
@@ -217,9 +215,7 @@ class SessionBook:
             s.pin_deadline_s = None
             self._unpin(s)
             return PinResult(0, 0)
-        s.pin_deadline_s = self.clock() + ttl_s
-        s.pin_seq = next(self._seq)
-        heapq.heappush(self._expiry, (s.pin_deadline_s, s.pin_seq, s.session_id))
+        self.leases.grant(s, self.clock(), ttl_s)
         if s.live:
             return PinResult(0, len(s.snapshot), deferred=True)  # applies when the running turn ends
         return self._grant(s, [b for b, _ in s.snapshot], already_referenced=False, hashes=s.snapshot)
@@ -239,11 +235,10 @@ class SessionBook:
                 break  # evicted (and maybe reused) since the turn ended: the prefix stops here
             if b.block_id in held_ids:
                 continue
-            if b.block_id not in self._pin_count and len(self._pin_count) >= self.pin_budget_blocks:
+            if not self.leases.hold(b.block_id):
                 break
             if not already_referenced:
                 self.pool.touch([b])  # vLLM's prefix-hit path: out of the free queue, ref_cnt + 1
-            self._pin_count[b.block_id] = self._pin_count.get(b.block_id, 0) + 1
             s.held.append(b)
         grant = PinResult(len(s.held), len(prefix))
         if grant.clamped:
@@ -254,11 +249,7 @@ class SessionBook:
         if not s.held:
             return
         for b in s.held:
-            n = self._pin_count[b.block_id] - 1
-            if n:
-                self._pin_count[b.block_id] = n
-            else:
-                del self._pin_count[b.block_id]
+            self.leases.let_go(b.block_id)
         held, s.held = s.held, []
         self.pool.free_blocks(reversed(held))
 
@@ -267,7 +258,7 @@ class SessionBook:
 
         ``yielded``: dropped so that an older program's waiting turn fits (counted in ``yielded_pins``);
         other callers (an explicit hint taking over from an inferred pin) are not yields."""
-        n = sum(1 for b in s.held if self._pin_count.get(b.block_id) == 1)
+        n = sum(1 for b in s.held if self.leases.pins_on(b.block_id) == 1)
         s.pin_deadline_s = None
         self._unpin(s)
         if yielded:
@@ -301,15 +292,11 @@ class SessionBook:
         """Drop leases that ran out (unless the session's next turn is queued); cheap when none is due."""
         now = self.clock()
         changed = False
-        while self._expiry and self._expiry[0][0] <= now:
-            _, seq, sid = heapq.heappop(self._expiry)
-            s = self.sessions.get(sid)
-            if s is None or s.pin_seq != seq or s.pin_deadline_s is None or s.waiting:
-                continue
+        for s in self.leases.lapsed(now, self.sessions.get, lambda x: x.waiting):
             s.pin_deadline_s = None
+            self.stats.pin_expiries += 1  # every lease that ran out, held blocks or not (as the embedded node)
             if s.held:
                 self._unpin(s)
-                self.stats.pin_expiries += 1
                 changed = True
         if now >= self._next_sweep_s:
             self._next_sweep_s = now + 60.0
@@ -366,7 +353,4 @@ class SessionBook:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
                 if b.ref_cnt < 1:
                     raise AssertionError(f"{s.session_id}: holds block {b.block_id} with ref_cnt {b.ref_cnt}")
-        if counts != self._pin_count:
-            raise AssertionError("pin counts disagree with sessions")
-        if len(counts) > self.pin_budget_blocks:
-            raise AssertionError("pinned blocks over budget")
+        self.leases.check(counts)
