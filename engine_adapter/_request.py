@@ -39,6 +39,7 @@ class Request:
     cold: bool = False
     preempted: bool = False
     overdue: bool = False  # waited past the scheduler's TTFT deadline
+    admit_reason: str | None = None  # why program admission last let this first turn through (not yet counted)
     num_preemptions: int = 0
     finish_reason: str = ""
     # accounting at first admission

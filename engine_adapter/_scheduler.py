@@ -100,7 +100,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.on_finish: Callable[[Request], None] | None = None
         self.num_preemptions = 0
-        # program admission's checks, by outcome (``hintflow_admissions_total``, ``..._holds_total``)
+        # program admission: checks that held a first turn back, and first turns it let in, by why
+        # (``hintflow_admission_holds_total``, ``hintflow_admissions_total``)
         self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
         self._seq = itertools.count()
         self._resort = False
@@ -285,6 +286,9 @@ class Scheduler:
             self._remove_waiting(req)
             req._plan_memo.release()  # out of the queue: no more plans (and off the pool's watch lists)
             self.kv.consume_pin(s)
+            if req.admit_reason is not None:
+                self.admit_stats[req.admit_reason] += 1
+                req.admit_reason = None
             if not req.admitted:
                 req.admitted = True
                 req.num_cached_tokens = plan.num_cached_tokens
@@ -325,7 +329,7 @@ class Scheduler:
         if why is None:
             self.admit_stats["held"] += 1
             return True
-        self.admit_stats[why] += 1
+        req.admit_reason = why  # counted once it is admitted (memory may still keep it waiting)
         step.in_flight = InFlight(cur.num_blocks + need, cur.programs | {s.program_id})
         return False
 

@@ -529,3 +529,24 @@ def test_program_admission_counts_a_running_first_turn_at_its_full_length() -> N
     core.run_until_idle()
     assert b.output and core.scheduler.admit_stats["idle"] == 1
     core.check_invariants()
+
+
+def test_a_first_turn_let_through_but_kept_waiting_by_memory_is_counted_once() -> None:
+    # "pa" runs a 1,000-token turn (63 of 64 blocks) and decodes; at each decode step "pb"'s first turn is
+    # let through by program admission (fraction 10: everything fits), yet memory keeps it waiting until
+    # "pa" is done.  It is one admission, counted when it is admitted, not once per step.
+    core = make_core(blocks=64, max_num_batched_tokens=64, admit_fraction=10.0)  # type: ignore[arg-type]
+    rng = random.Random(15)
+    for sid in ("a", "b"):
+        assert core.apply_hints([Priority(session_id=sid, program_id=f"p{sid}", program_age_s=0.0)])[0].ok
+    a = core.submit(rand_tokens(rng, 1000), 6, session_id="a", program_id="pa")
+    b = core.submit(rand_tokens(rng, 400), 1, session_id="b", program_id="pb")
+    steps = 0
+    while b.first_scheduled_s is None:
+        core.step()
+        steps += 1
+    assert a.finished_s is not None and steps > 16  # it waited through pa's prefill and decodes
+    core.run_until_idle()
+    stats = core.scheduler.admit_stats
+    assert stats["fit"] == 2 and stats["held"] == 0 and stats["idle"] == 0  # pa, then pb: once each
+    core.check_invariants()

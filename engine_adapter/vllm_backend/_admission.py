@@ -53,6 +53,7 @@ class QueueRules:
     admit_max_wait_s: float
     admit_horizon_s: float
     admit_stats: dict[str, int]
+    _admit_reason: dict[str, str]
     _req_session: dict[str, VSession]
     _started: set[str]
     _overdue: set[str]
@@ -178,7 +179,7 @@ class QueueRules:
         if why is None:
             self.admit_stats["held"] += 1
             return False
-        self.admit_stats[why] += 1
+        self._admit_reason[request.request_id] = why  # counted when vLLM schedules it
         st[0] += blocks
         st[1] = False
         return True

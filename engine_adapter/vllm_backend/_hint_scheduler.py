@@ -193,6 +193,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)
         self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle] for the current step
         self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
+        # request id -> why admission last let it through; counted once vLLM schedules it (memory may
+        # still keep it waiting, and each step would otherwise count it again)
+        self._admit_reason: dict[str, str] = {}
         self.hint_server: HintServer | None = None
         port = os.environ.get("HINTFLOW_HINT_PORT")
         if port:
@@ -330,6 +333,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     s.admitted.add(new.req_id)
                     continue
                 self._started.add(s.program_id)
+                why = self._admit_reason.pop(new.req_id, None)
+                if why is not None:
+                    self.admit_stats[why] += 1
                 kept = bool(s.held)
                 self.book.on_admitted(s, new.req_id)
                 if self.infer is not None and req is not None:
@@ -399,6 +405,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self._client_priority.pop(request.request_id, None)
         self._req_start.pop(request.request_id, None)
         self._overdue.discard(request.request_id)
+        self._admit_reason.pop(request.request_id, None)  # (aborted before vLLM scheduled it)
         self.accounting.on_finished(request, s)
         if s is None or not self.pins_supported:
             if s is not None:
