@@ -307,13 +307,16 @@ def vllm_env() -> tuple[str, dict[str, str]]:
     return python, {**os.environ, "PYTHONPATH": pythonpath}
 
 
-def _run_in_vllm(vllm_env: tuple[str, dict[str, str]], code: str) -> dict[str, str]:
-    """Run ``code`` with the vLLM venv's Python; its last stdout line is a JSON object of outcomes."""
+@pytest.fixture(scope="module")
+def mutated(vllm_env: tuple[str, dict[str, str]]) -> tuple[dict[str, str], dict[str, str]]:
+    """The outcomes of ``_HOST_TIER_MUTATE`` then ``_MUTATE``, run in one vLLM process (importing vLLM takes
+    about 13 s on the CPU VM; each script restores what it changed before the next reads it)."""
     python, env = vllm_env
+    code = _HOST_TIER_MUTATE + _MUTATE
     r = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    out: dict[str, str] = json.loads(r.stdout.strip().splitlines()[-1])
-    return out
+    host, sched = (json.loads(line) for line in r.stdout.strip().splitlines()[-2:])
+    return host, sched
 
 
 @pytest.mark.slow
@@ -324,9 +327,9 @@ def test_the_installed_vllm_passes_the_check(vllm_env: tuple[str, dict[str, str]
 
 @pytest.mark.slow
 def test_the_scheduler_fails_at_construction_once_vllm_lacks_an_internal(
-    vllm_env: tuple[str, dict[str, str]],
+    mutated: tuple[dict[str, str], dict[str, str]],
 ) -> None:
-    out = _run_in_vllm(vllm_env, _MUTATE)
+    out = mutated[1]
     assert out["intact"].startswith("passed: ") and out["async_intact"].startswith("passed: ")
     assert "AsyncScheduler._free_request_blocks" in out["sync_class"]
     for case, name in (
@@ -339,9 +342,9 @@ def test_the_scheduler_fails_at_construction_once_vllm_lacks_an_internal(
 
 @pytest.mark.slow
 def test_the_host_tier_and_the_scheduler_module_fail_naming_what_vllm_lacks(
-    vllm_env: tuple[str, dict[str, str]],
+    mutated: tuple[dict[str, str], dict[str, str]],
 ) -> None:
-    out = _run_in_vllm(vllm_env, _HOST_TIER_MUTATE)
+    out = mutated[0]
     assert "vllm.v1.core.sched.async_scheduler.AsyncScheduler (the class)" in out["moved"], out["moved"]
     assert out["moved"].startswith("hintflow's vLLM scheduler cannot run")
     assert out["intact"].startswith("passed: ")
