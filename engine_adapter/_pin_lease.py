@@ -90,14 +90,13 @@ class PinLeases:
         self._count[block_id] = n + 1
         return True
 
-    def let_go(self, block_id: int) -> bool:
-        """Remove one pin from the block; True when that was its last (it is no longer pinned)."""
+    def let_go(self, block_id: int) -> None:
+        """Remove one pin from the block (the last one unpins it)."""
         n = self._count[block_id] - 1
         if n:
             self._count[block_id] = n
-            return False
-        del self._count[block_id]
-        return True
+        else:
+            del self._count[block_id]
 
     def pins_on(self, block_id: int) -> int:
         return self._count.get(block_id, 0)

@@ -511,17 +511,24 @@ def test_a_resume_that_recomputes_is_capped_as_cold_unless_resumes_are_warm(resu
     core.check_invariants()
 
 
+def _two_new_programs(admit_fraction: float, seed: int, a: tuple[int, int], b: tuple[int, int]) -> tuple[EngineCore, Request, Request]:
+    """A 64-block node stepping 64 tokens with program admission at ``admit_fraction``, and the first turns
+    of programs "pa" and "pb" (prompt tokens, new tokens each), both started now."""
+    core = make_core(blocks=64, max_num_batched_tokens=64, admit_fraction=admit_fraction)  # type: ignore[arg-type]
+    rng = random.Random(seed)
+    for sid in ("a", "b"):
+        assert core.apply_hints([Priority(session_id=sid, program_id=f"p{sid}", program_age_s=0.0)])[0].ok
+    ra = core.submit(rand_tokens(rng, a[0]), a[1], session_id="a", program_id="pa")
+    rb = core.submit(rand_tokens(rng, b[0]), b[1], session_id="b", program_id="pb")
+    return core, ra, rb
+
+
 def test_program_admission_counts_a_running_first_turn_at_its_full_length() -> None:
     # 64 blocks, 64 tokens a step.  "pa"'s 600-token first turn (38 blocks) prefills alone for nine steps;
     # at the tenth, 24 tokens are left and "pb"'s 430-token first turn (27 blocks) is looked at.  "pa"
     # counts at its full length, as vLLM's rule counts a live request: 38 + 27 > 64 and "pb" waits (by
     # the 576 tokens computed so far it would fit: 36 + 27).  Once "pa" is done nothing runs: "pb" starts.
-    core = make_core(blocks=64, max_num_batched_tokens=64, admit_fraction=1.0)  # type: ignore[arg-type]
-    rng = random.Random(14)
-    for sid in ("a", "b"):
-        assert core.apply_hints([Priority(session_id=sid, program_id=f"p{sid}", program_age_s=0.0)])[0].ok
-    a = core.submit(rand_tokens(rng, 600), 1, session_id="a", program_id="pa")
-    b = core.submit(rand_tokens(rng, 430), 1, session_id="b", program_id="pb")
+    core, a, b = _two_new_programs(1.0, 14, (600, 1), (430, 1))
     for _ in range(10):
         core.step()
     assert a.first_token_s is not None and b.first_scheduled_s is None
@@ -535,12 +542,7 @@ def test_a_first_turn_let_through_but_kept_waiting_by_memory_is_counted_once() -
     # "pa" runs a 1,000-token turn (63 of 64 blocks) and decodes; at each decode step "pb"'s first turn is
     # let through by program admission (fraction 10: everything fits), yet memory keeps it waiting until
     # "pa" is done.  It is one admission, counted when it is admitted, not once per step.
-    core = make_core(blocks=64, max_num_batched_tokens=64, admit_fraction=10.0)  # type: ignore[arg-type]
-    rng = random.Random(15)
-    for sid in ("a", "b"):
-        assert core.apply_hints([Priority(session_id=sid, program_id=f"p{sid}", program_age_s=0.0)])[0].ok
-    a = core.submit(rand_tokens(rng, 1000), 6, session_id="a", program_id="pa")
-    b = core.submit(rand_tokens(rng, 400), 1, session_id="b", program_id="pb")
+    core, a, b = _two_new_programs(10.0, 15, (1000, 6), (400, 1))
     steps = 0
     while b.first_scheduled_s is None:
         core.step()
