@@ -5,6 +5,7 @@ the Temporal interceptor) and in trace-driven replay on virtual time.
 """
 
 from orchestrator._addressing import hints_by_node
+from orchestrator._control import ControlCore, Pause
 from orchestrator._graph import (
     JoinKind,
     ProgramGraph,
@@ -65,6 +66,7 @@ __all__ = [
     "ROUTING_POLICIES",
     "ContinuumPolicy",
     "ContinuumTTL",
+    "ControlCore",
     "EmpiricalDistribution",
     "Event",
     "ExponentialDistribution",
@@ -77,6 +79,7 @@ __all__ = [
     "NodeRoom",
     "NodeView",
     "Option",
+    "Pause",
     "PauseDistribution",
     "PauseModel",
     "PolicySpec",

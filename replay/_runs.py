@@ -33,9 +33,6 @@ class SessionRun:
     num_moves: int = 0  # times the turn in flight was moved to another node (``replay/_migration.py``)
     landed_s: float = 0.0  # when the turn in flight was last submitted (to its node, or to the node it moved to)
     ready_s: float = 0.0  # when the current turn became ready (submit, or entry to ThunderAgent's queue)
-    tool: str | None = None
-    tool_start_s: float = 0.0
-    tool_done: bool = False
     started: bool = False
     finished_s: float | None = None
 

@@ -1,8 +1,9 @@
 """Discrete-event replay: programs from a trace against real engine schedulers on virtual time.
 
 One event heap drives everything: program arrivals, node step starts and ends (``_nodes.py``), tool pauses,
-policy ``Tick``s (every ``tick_s`` while a tool runs), and ThunderAgent's controller.  Events are fed to the
-hint policy the way the live runtime (``workflows/_runtime.py``) feeds them, so live and replay agree:
+policy ``Tick``s (every ``tick_s`` while a tool runs), and ThunderAgent's controller.  The policy is fed
+through the same control core as the live runtime's (``orchestrator.ControlCore``: pauses, ticks, pricing
+from the nodes, addressing), so live and replay agree:
 
 * a turn: route (``Router``), submit the whole context, then ``TurnStarted`` (so its ``Priority`` finds the
   session on its node);  when it finishes: ``TurnEnded``, then ``ToolStarted`` if the turn calls a tool;
@@ -35,19 +36,13 @@ from typing import Any
 from engine_adapter import Request, Session, VirtualClock
 from hints import MAX_HORIZON_S, EvictionOrder, HintModel, NextUse, Pin
 from orchestrator import (
-    POLICIES,
+    ControlCore,
     HintPolicy,
     PolicySpec,
     PrefillEstimator,
-    ProgramEnded,
     Router,
     RouteRequest,
-    Tick,
-    ToolEnded,
     ToolStarted,
-    TurnEnded,
-    TurnStarted,
-    hints_by_node,
 )
 from replay._migration import Migrator
 from replay._nodes import NodeSpec, NodeTotals, SimNode, build_nodes
@@ -95,16 +90,19 @@ class Simulation:
         self.nodes = build_nodes(num_nodes, spec, config, self.clock)
         self.by_address = {n.address: n for n in self.nodes}
         cm = spec.cost_model
-        self.prefill = PrefillEstimator(cm.prefill_reload_s)
-        host_reload = None
-        if config.host_tier and spec.num_host_tokens > 0:  # (a tier of no bytes reloads nothing)
-            per_token_s = cm.copy_per_block_s / cm.block_size
-            host_reload = lambda n: per_token_s * n  # noqa: E731
-        self.policy: HintPolicy = PolicySpec(config.hint_policy, config.policy_options).build(
-            POLICIES, prefill_reload=self.prefill.reload_s, host_reload=host_reload,
-            pool_tokens=lambda: float(spec.num_device_tokens),  # (every node has the same pool here)
-            host_hit_fraction=self._host_hit_fraction if host_reload is not None else None,
-        )
+        self.core = ControlCore(
+            PolicySpec(config.hint_policy, config.policy_options), nodes=[n.address for n in self.nodes],
+            node_of=self._node_of, prefill_prior=cm.prefill_reload_s,
+            rewrite=self._true_next_use if config.true_next_use else None,
+        )  # fmt: skip
+        host_tier = config.host_tier and spec.num_host_tokens > 0  # (a tier of no bytes reloads nothing)
+        for n in self.nodes:  # what each node's cache state would say, its host hits read at each decision
+            self.core.node_seen(
+                n.address, host_tier=host_tier, pool_tokens=float(spec.num_device_tokens),
+                host_hit_fraction=n.engine.kv.host_hits.fraction, reload_s_per_token=cm.copy_per_block_s / cm.block_size,
+            )  # fmt: skip
+        self.policy: HintPolicy = self.core.policy
+        self.prefill: PrefillEstimator = self.core.prefill
         self.router = Router(
             cm.prefill_time,
             policy=config.routing,
@@ -119,7 +117,6 @@ class Simulation:
         self.progress = progress
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
-        self._in_tool = 0
         self._tick_pending = False
         self._routed_s = -1.0
         self._num_done = 0
@@ -176,14 +173,10 @@ class Simulation:
             node_totals=[n.totals() for n in self.nodes],
         )
 
-    def _host_hit_fraction(self) -> float:
-        """What the nodes' host tiers give back of evicted contexts (each node's ``CacheState`` figure,
-        averaged: the policy does not know which node a session is on, as in the live runtime)."""
-        shares = [n.engine.kv.host_hits.fraction() for n in self.nodes]
-        return sum(shares) / len(shares)
-
     def _extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
+        if self.core.num_policy_errors:  # (logged as they happened; a replay goes on, as a live worker does)
+            extra["policy_errors"] = self.core.num_policy_errors
         if self.controller is not None:
             extra |= {"thunderagent_pauses": self.controller.num_pauses,
                       "thunderagent_restores": self.controller.num_restores}
@@ -218,17 +211,10 @@ class Simulation:
             )
 
     # ---- policy and hints ----------------------------------------------------------------------------
-    def feed(self, event: Any) -> None:
-        hints = self.policy.on_event(event)
-        if self.config.true_next_use:
-            hints = self._true_next_use(event, hints)
-        if hints:
-            self.publish(hints)
-
     def _true_next_use(self, event: Any, hints: Sequence[HintModel]) -> list[HintModel]:
         """The ``bound`` row: a session in a tool pause is ranked by when the trace says it returns (Belady
         over sessions), in place of the policy's prediction; the rest of the policy's hints stand."""
-        in_tool = {k for k, s in self.live.items() if s.tool is not None}
+        in_tool = set(self.core.pauses)
         out: list[HintModel] = []
         for h in hints:
             if isinstance(h, EvictionOrder):
@@ -243,26 +229,28 @@ class Simulation:
             out.append(EvictionOrder(entries=[NextUse(session_id=s.key, next_use_s=pause_s)]))
         return out
 
-    def publish(self, hints: Sequence[HintModel]) -> None:
-        """Send each hint to the node(s) it concerns, by the live runtime's rule (``hints_by_node``)."""
-        def node_of(session_id: str) -> str | None:
-            s = self.live.get(session_id)
-            return s.node if s is not None and s.node else None
+    def _node_of(self, session_id: str) -> str | None:
+        s = self.live.get(session_id)
+        return s.node if s is not None and s.node else None
 
-        for a, batch in hints_by_node(hints, node_of, [n.address for n in self.nodes]).items():
+    def publish(self, hints: Sequence[HintModel]) -> None:
+        """Send each hint to the node(s) it concerns, by the live runtime's rule (``ControlCore.address``)."""
+        if not hints:
+            return
+        for a, batch in self.core.address(hints).items():
             node = self.by_address[a]
             node.engine.apply_hints(batch)
             node.account(self.now)
             node.kick(self.now, self.at, self._step_end)
 
     def _schedule_tick(self) -> None:
-        if not self._tick_pending and self._in_tool and self.config.hint_policy != "vllm-default":
+        if not self._tick_pending and self.core.num_paused and self.config.hint_policy != "vllm-default":
             self._tick_pending = True
             self.at(self.now + self.tick_s, self._tick)
 
     def _tick(self) -> None:
         self._tick_pending = False
-        self.feed(Tick(self.now))
+        self.publish(self.core.tick(self.now))
         for n in self.nodes:
             n.engine.kv.tick()
             n.account(self.now)
@@ -275,16 +263,14 @@ class Simulation:
     def _arrive(self, run: ProgramRun) -> None:
         run.start(self.now)
         self.live.update((s.key, s) for s in run.sessions.values())
-        note = getattr(self.policy, "note_program_start", None)
-        if note is not None:
-            note(run.program.program_id, self.now)
+        self.core.program_started(run.program.program_id, self.now)
         for sid in run.program.roots:
             self.start_turn(run.sessions[sid])
 
     def start_turn(self, s: SessionRun, node: SimNode | None = None) -> None:
         """The session's next turn is ready now: close its pause, then queue (ThunderAgent) or submit."""
         if node is None:  # a restore from ThunderAgent's queue keeps the time the turn became ready
-            self._close_pause(s)
+            self.publish(self.core.close_pause(s.key, self.now))
             s.ready_s = self.now
             if self.controller is not None and self.controller.hold(s):
                 return
@@ -305,7 +291,7 @@ class Simulation:
             if src is not None:  # the context stays behind: unpin it there (it is recomputed here)
                 src.engine.apply_hints([Pin(session_id=s.key, ttl_s=0.0)])
             self.submit_turn(s, self.by_address[address])
-        self.feed(TurnStarted(s.run.program.program_id, s.key, self.now, len(prompt)))
+        self.publish(self.core.turn_started(s.run.program.program_id, s.key, self.now, len(prompt)))
 
     def submit_turn(self, s: SessionRun, target: SimNode) -> None:
         """Submit the session's turn in flight (``s.prompt``) to ``target`` and start it stepping."""
@@ -379,17 +365,13 @@ class Simulation:
         self.turns.append(rec)
         if len(self.nodes) > 1:
             self.router.finished(node.address, s.key)
-        self.prefill.observe(rec.computed_tokens, max(0.0, (req.ttft_s or 0.0) - req.queue_wait_s))
-        ttl = getattr(self.policy, "ttl", None)
-        if rec.recomputed_tokens > 0 and ttl is not None:
-            ttl.observe_evicted_queue_delay(max(0.0, rec.queue_wait_s))
+        self.core.turn_done(rec.computed_tokens, (req.ttft_s or 0.0) - req.queue_wait_s, rec.queue_wait_s,
+                            rec.recomputed_tokens)
         s.finish_turn(req.output[: turn.output_tokens])
         pid = s.run.program.program_id
-        self.feed(TurnEnded(pid, s.key, self.now, len(s.context)))
+        self.publish(self.core.turn_ended(pid, s.key, self.now, len(s.context)))
         if turn.tool is not None:
-            s.tool, s.tool_start_s = turn.tool, self.now
-            self._in_tool += 1
-            self.feed(ToolStarted(pid, s.key, turn.tool, self.now, len(s.context)))
+            self.publish(self.core.tool_started(pid, s.key, turn.tool, self.now, len(s.context)))
             self._schedule_tick()
             self.at(self.now + turn.tool_duration_s, lambda: self._after_tool(s))
             if self.controller is not None:
@@ -398,33 +380,23 @@ class Simulation:
             self._after_tool(s)
 
     def _after_tool(self, s: SessionRun) -> None:
-        if s.tool is not None:
-            s.tool_done = True
+        turn = s.session.turns[s.turn_index]
+        if turn.tool is not None:
+            self.publish(self.core.tool_returned(s.run.program.program_id, s.key, turn.tool, self.now,
+                                                 turn.tool_duration_s))
         s.turn_index += 1
         if s.turn_index < s.session.num_turns:
             self.start_turn(s)
         else:
             self._session_finished(s)
 
-    def _close_pause(self, s: SessionRun) -> None:
-        if s.tool is None:
-            return
-        tool, started = s.tool, s.tool_start_s
-        s.tool, s.tool_done = None, False
-        self._in_tool -= 1
-        self.feed(ToolEnded(s.run.program.program_id, s.key, tool, self.now, max(0.0, self.now - started)))
-
     def _session_finished(self, s: SessionRun) -> None:
         run = s.run
-        note = getattr(self.policy, "note_agent_finished", None)  # the framework knows (KVFlow is told)
-        if note is not None:
-            self.publish(note(s.key, self.now))
+        self.publish(self.core.session_finished(s.key, self.now))  # the framework knows (KVFlow is told)
         for succ in run.finish_session(s.session.session_id, self.now):
             self.start_turn(run.sessions[succ])
         if run.all_done:
-            for other in run.sessions.values():
-                self._close_pause(other)
-            self.feed(ProgramEnded(run.program.program_id, self.now, run.num_turns_done))
+            self.publish(self.core.program_ended(run.program.program_id, self.now, run.num_turns_done))
             run.close()
             for other in run.sessions.values():
                 self.live.pop(other.key, None)

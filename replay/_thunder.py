@@ -71,8 +71,8 @@ class ThunderController:
                 continue
             if s.request is not None:
                 load += len(s.prompt)
-            elif s.tool is not None and not s.tool_done:
-                w = len(s.context) * 2.0 ** (-(now - s.tool_start_s))
+            elif (p := self.sim.core.pauses.get(s.key)) is not None and p.returned_s is None:
+                w = len(s.context) * 2.0 ** (-(now - p.started_s))
                 load += w
                 acting.append((len(s.context), w, s))
         return load, acting

@@ -59,32 +59,37 @@ class ProgramResult:
 
 
 class HintPusher:
-    """A policy fed with the client's events on one thread, ticking every ``tick_s``, pushing its hints.
+    """The orchestrator's side of a real-vLLM run: the client's events through a ``ControlCore`` (the live
+    runtime's and the replay's loop: pauses, ticks, pricing, a policy's errors), ticking every ``tick_s``,
+    its hints pushed over gRPC.
 
-    Events from many program threads go through a queue, because policies are not thread-safe.
+    Events from many program threads go through a queue to one thread, because policies are not
+    thread-safe.  ``event`` takes the events the client sees: ``TurnStarted``, ``TurnEnded``,
+    ``ToolStarted``, ``ToolEnded`` (the tool returned: the pause runs on to the session's next turn, as
+    live), ``ProgramEnded``; ``session_finished`` and ``turn_done`` say what else the core learns from.
     """
 
     def __init__(self, target: str, policy_name: str = "hintflow", tick_s: float = 0.05,
                  s_per_token: float = 1.25e-4, host_s_per_token: float | None = None,
                  pool_tokens: float | None = None) -> None:
-        """``host_s_per_token``: the node has a host KV tier, whose copy back costs this per token (the
-        policy prices pins by it, as on an embedded node with a host tier). ``pool_tokens``: the node's
-        device pool (``hintflow`` prices pins by the share of it they hold, as the live runtime does)."""
+        """``s_per_token``: the node's re-prefill cost (the client cannot see queue waits, so this prior is
+        what the core prices with).  ``host_s_per_token``: the node has a host KV tier, whose copy back
+        costs this per token.  ``pool_tokens``: the node's device pool."""
         import grpc
 
         from hints import engine_pb2_grpc
-        from orchestrator import get_policy
+        from orchestrator import ControlCore
 
-        host = None if host_s_per_token is None else (lambda n: host_s_per_token * n)
         self.s_per_token = s_per_token
-        pool = None if pool_tokens is None else (lambda: pool_tokens)
         # what the node's host tier gives back (its CacheState, read every HOST_HIT_READ_S), as the live
         # runtime reads it from the state stream
         self.host_hit = 1.0
-        self._read_hits = host is not None
-        self.policy = get_policy(policy_name, prefill_reload=lambda n: s_per_token * n, host_reload=host,
-                                 pool_tokens=pool,
-                                 host_hit_fraction=None if host is None else (lambda: self.host_hit))
+        self._read_hits = host_s_per_token is not None
+        self.core = ControlCore(policy_name, nodes=[target], prefill_prior=lambda n: s_per_token * n)
+        self.core.node_seen(
+            target, host_tier=host_s_per_token is not None, pool_tokens=pool_tokens or 0.0,
+            host_hit_fraction=lambda: self.host_hit, reload_s_per_token=host_s_per_token or 0.0,
+        )  # fmt: skip
         self.channel = grpc.insecure_channel(target)
         self.stub = engine_pb2_grpc.EngineNodeStub(self.channel)
         self.tick_s = tick_s
@@ -99,36 +104,49 @@ class HintPusher:
         self._thread = threading.Thread(target=self._run, name="hint-pusher", daemon=True)
         self._thread.start()
 
+    @property
+    def policy(self) -> Any:
+        return self.core.policy
+
     def event(self, ev: Any) -> None:
         self.events.put(ev)
 
-    def observe_evicted(self, queue_delay_s: float) -> None:
-        """A turn found its context gone and queued this long: Continuum's T, as the live runtime feeds it
-        from the node's report (here the client's time to first token less the re-prefill it needed)."""
-        self.events.put(("evicted", queue_delay_s))
+    def session_finished(self, session_id: str, now_s: float) -> None:
+        self.events.put(("finished", session_id, now_s))
+
+    def turn_done(self, computed_tokens: int, ttft_s: float, recomputed_tokens: int) -> None:
+        """A turn's first token came ``ttft_s`` after it was sent, having prefilled ``computed_tokens`` of
+        which ``recomputed_tokens`` an earlier turn had computed (its context was gone).  Its queue wait is
+        the time to first token less the prefill at ``s_per_token`` (the client sees no more)."""
+        prefill_s = self.s_per_token * computed_tokens
+        self.events.put(("done", computed_tokens, prefill_s, max(0.0, ttft_s - prefill_s), recomputed_tokens))
 
     def _on(self, ev: Any) -> list[Any]:
-        """The policy's hints for one event; a policy that raises is counted (``codes["policy:..."]``) and
-        logged once, and the pusher goes on: as in the live runtime, where a policy bug must not stop the
-        hints of every later event (an exception here used to end this thread, silently)."""
-        try:
-            if isinstance(ev, tuple):
-                ttl = getattr(self.policy, "ttl", None)
-                if ttl is not None:
-                    ttl.observe_evicted_queue_delay(max(0.0, float(ev[1])))
-                return []
-            out: list[Any] = self.policy.on_event(ev)
-            return out
-        except Exception as e:
-            key = f"policy:{type(e).__name__}"
-            if not self.codes[key]:
-                logger.exception("hint pusher: policy %s failed on %s", getattr(self.policy, "name", "?"), ev)
-            self.codes[key] += 1
-            return []
+        """The hints for one queued item (the core counts and logs a policy that raises, and goes on)."""
+        from orchestrator import ProgramEnded, ToolEnded, ToolStarted, TurnEnded, TurnStarted
+
+        core = self.core
+        before = core.num_policy_errors
+        out: list[Any] = []
+        if isinstance(ev, tuple) and ev[0] == "finished":
+            out = core.session_finished(ev[1], ev[2])
+        elif isinstance(ev, tuple) and ev[0] == "done":
+            core.turn_done(*ev[1:])
+        elif isinstance(ev, TurnStarted):
+            out = core.turn_started(ev.program_id, ev.session_id, ev.now_s, ev.context_tokens, ev.workflow)
+        elif isinstance(ev, TurnEnded):
+            out = core.turn_ended(ev.program_id, ev.session_id, ev.now_s, ev.context_tokens)
+        elif isinstance(ev, ToolStarted):
+            out = core.tool_started(ev.program_id, ev.session_id, ev.tool, ev.now_s, ev.context_tokens, ev.workflow)
+        elif isinstance(ev, ToolEnded):
+            out = core.tool_returned(ev.program_id, ev.session_id, ev.tool, ev.now_s, ev.duration_s)
+        elif isinstance(ev, ProgramEnded):
+            out = core.program_ended(ev.program_id, ev.now_s, ev.num_turns)
+        if core.num_policy_errors > before:
+            self.codes["policy-errors"] += core.num_policy_errors - before
+        return out
 
     def _run(self) -> None:
-        from orchestrator import Tick
-
         next_tick = next_read = 0.0
         while not self._stop.is_set():
             now = time.monotonic() - self.t0
@@ -145,7 +163,10 @@ class HintPusher:
                 pass
             now = time.monotonic() - self.t0
             if now >= next_tick:
-                hints += self._on(Tick(now_s=now))
+                before = self.core.num_policy_errors
+                hints += self.core.tick(now)
+                if self.core.num_policy_errors > before:
+                    self.codes["policy-errors"] += self.core.num_policy_errors - before
                 next_tick = now + self.tick_s
             if hints:
                 self._push(hints)
@@ -244,15 +265,17 @@ def _run_session(
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         record(TurnResult(sent, ttft, end - sent, int(usage.get("prompt_tokens", 0)), cached, already, sid))
         if pusher is not None:
-            if already and cached < already - BLOCK:  # its context (beyond one partial block) was gone
-                pusher.observe_evicted(ttft - pusher.s_per_token * max(0, len(context) - cached))
+            gone = already - cached if already and cached < already - BLOCK else 0  # beyond one partial block
+            pusher.turn_done(max(0, len(context) - cached), ttft, gone)
             pusher.event(TurnEnded(pid, sid, end, len(context) + turn.output_tokens))
         if turn.tool is not None:
             if pusher is not None:
                 pusher.event(ToolStarted(pid, sid, turn.tool, end, len(context) + turn.output_tokens))
             time.sleep(turn.pause_s)
-            if pusher is not None:
+            if pusher is not None:  # the tool returned; its pause ends at the next turn (ControlCore)
                 pusher.event(ToolEnded(pid, sid, turn.tool, now(), turn.pause_s))
+    if pusher is not None:
+        pusher.session_finished(sid, now())
 
 
 def run_program(

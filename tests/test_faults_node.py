@@ -304,7 +304,7 @@ async def test_a_restarted_node_comes_back_empty_and_gets_no_hint_of_its_earlier
             ids = [h.id for h in handles]
 
             async def all_waiting() -> bool:  # every first turn done, every program waiting for its person
-                return all((s := rt.sessions.get(sid)) is not None and s.tool == "human" for sid in ids)
+                return all((p := rt.core.pauses.get(sid)) is not None and p.tool == "human" for sid in ids)
 
             await until(all_waiting, 60, "every program past its first turn")
             placed = {sid: rt.sessions[sid].node for sid in ids}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from orchestrator import TurnStarted
+from orchestrator import ToolStarted, TurnStarted
 from replay._vllm_agents import HintPusher
 from tests.polling import free_port
 
@@ -29,13 +29,15 @@ def test_a_policy_that_raises_is_counted_and_the_pusher_goes_on() -> None:
     pusher = HintPusher(f"127.0.0.1:{free_port()}", "hintflow", tick_s=0.02)
     try:
         policy = _Raises()
-        pusher.policy = policy  # type: ignore[assignment]
+        pusher.core.policy = policy  # type: ignore[assignment]
         pusher.event(TurnStarted("p", "s", 0.0, 10))
+        pusher.event(ToolStarted("p", "s", "bash", 0.1, 12))  # a pause is open: ticks reach the policy
         deadline = time.monotonic() + 5.0
-        while pusher.codes["policy:RuntimeError"] < 3 and time.monotonic() < deadline:
+        while pusher.codes["policy-errors"] < 4 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert pusher._thread.is_alive()
-        assert pusher.codes["policy:RuntimeError"] >= 3  # the event, then ticks: it keeps going
+        assert pusher.codes["policy-errors"] >= 4  # the events, then ticks: it keeps going
+        assert pusher.core.num_policy_errors >= 4  # (counted by the core; the pusher reports it)
         assert any(isinstance(e, TurnStarted) for e in policy.seen)
         pusher.event(TurnStarted("p", "s2", 1.0, 10))  # a later event still reaches the policy
         deadline = time.monotonic() + 5.0

@@ -1,5 +1,5 @@
 """The runtime prices pins by the host copy once every engine's CacheState shows a host tier (no server:
-``note_host_tier`` is what the cache-state watch calls with each state)."""
+``note_node_state`` is what the cache-state watch calls with each state; the rule is ``ControlCore.node_seen``)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ def test_pins_are_priced_by_the_copy_only_when_every_engine_has_a_host_tier() ->
     rt = HintRuntime(["127.0.0.1:1", "127.0.0.1:2"])
     policy = rt.policy
     assert policy.host_reload is None  # type: ignore[attr-defined]
-    rt.note_host_tier("127.0.0.1:1", True)
+    rt.note_node_state("127.0.0.1:1", True, 1000)
     assert policy.host_reload is None  # type: ignore[attr-defined]  # the other engine has not said
-    rt.note_host_tier("127.0.0.1:2", True)
+    rt.note_node_state("127.0.0.1:2", True, 1000)
     reload = policy.host_reload  # type: ignore[attr-defined]
     assert reload is not None and reload(1000) == rt.router.host_reload_s_per_token * 1000
     # ... and by what the tiers give back, as the nodes measure it (the watch keeps it per node)
     hit = policy.host_hit_fraction  # type: ignore[attr-defined]
     assert hit is not None and hit() == 1.0  # no node has said yet: a host tier is taken to work
-    rt._host_hit.update({"127.0.0.1:1": 0.2, "127.0.0.1:2": 0.6})
+    rt.note_node_state("127.0.0.1:1", True, 1000, 0.2)
+    rt.note_node_state("127.0.0.1:2", True, 1000, 0.6)
     assert hit() == pytest.approx(0.4)
-    rt.note_host_tier("127.0.0.1:2", False)  # restarted without one
+    rt.note_node_state("127.0.0.1:2", False, 1000)  # restarted without one
     assert policy.host_reload is None and policy.host_hit_fraction is None  # type: ignore[attr-defined]
 
 
@@ -31,7 +32,7 @@ def test_a_policy_object_passed_in_is_left_as_configured() -> None:
 
     mine = get_policy("hintflow")
     rt = HintRuntime(["127.0.0.1:1"], policy=mine)
-    rt.note_host_tier("127.0.0.1:1", True)
+    rt.note_node_state("127.0.0.1:1", True, 1000)
     assert mine.host_reload is None  # type: ignore[attr-defined]
 
 
@@ -52,8 +53,8 @@ def test_pins_and_routes_use_each_node_s_own_reload_cost_once_it_reports_one() -
 
     a, b = "127.0.0.1:1", "127.0.0.1:2"
     rt = HintRuntime([a, b])
-    rt.note_host_tier(a, True)
-    rt.note_host_tier(b, True)
+    rt.note_node_state(a, True, 1000)
+    rt.note_node_state(b, True, 1000)
     reload = rt.policy.host_reload  # type: ignore[attr-defined]
     default = rt.router.host_reload_s_per_token
     rt.router.update(a, _state("na", 0.0), 0.0)  # reports none yet: the router's default

@@ -35,7 +35,7 @@ from temporalio.testing import ActivityEnvironment
 from temporalio.worker import Worker
 
 from hints import EngineClient, Pin, Priority, Release
-from orchestrator import PauseModel, ProgramEnded, Tick, ToolEnded, TurnEnded, TurnStarted
+from orchestrator import PauseModel, ProgramEnded, ToolEnded, TurnEnded, TurnStarted
 from tests.polling import free_port
 from tests.review_workflows import (
     InfiniteTool,
@@ -196,7 +196,7 @@ def test_parallel_tools_of_one_session_are_one_pause() -> None:
     rt.tool_started("p", "p", "B")
     rt.tool_ended("p", "p", "A", 0.1)
     rt.sweep(time.monotonic() + 10.0)  # long past A's grace: B still runs, so the pause is open
-    assert rt.sessions["p"].tool == "A" and not [e for e in rt.events if isinstance(e, ToolEnded)]
+    assert rt.core.pauses["p"].tool == "A" and not [e for e in rt.events if isinstance(e, ToolEnded)]
     rt.tool_ended("p", "p", "B", 30.0)
     rt.turn_started("p", "p", 120)
     ended = [e for e in rt.events if isinstance(e, ToolEnded)]
@@ -500,7 +500,7 @@ def test_hints_of_a_user_policy_are_validated_before_they_leave(caplog: pytest.L
     ]
     policy = _Sloppy([*bad, good])
     rt, rec = _runtime(policy)
-    with caplog.at_level(logging.DEBUG, logger="workflows._runtime"):
+    with caplog.at_level(logging.DEBUG, logger="orchestrator._control"):
         rt.turn_started("p", "s", 100)  # never raises into the (user's) activity
         rt.turn_ended("p", "s", 110)
         rt.turn_started("p", "s", 120)
@@ -526,8 +526,9 @@ def test_a_policy_returning_garbage_never_raises() -> None:
     rt, rec = _runtime(Garbage())
     rt.turn_started("p", "s", 10)
     rt.turn_ended("p", "s", 12)
-    rt._feed(Tick(time.monotonic()))
-    assert rec.hints == []
+    rt.tool_started("p", "s", "bash")
+    rt.publish(rt.core.tick(time.monotonic()))
+    assert rec.hints == [] and rt.core.num_policy_errors >= 1
 
 
 # ---- G: a failed attempt is not a turn ------------------------------------------------------------------
@@ -587,7 +588,7 @@ def test_late_end_events_of_an_ended_program_re_create_nothing() -> None:
     assert rt.sessions == {}
     assert len(rt.events) == n
     assert rt.programs["p"].status == "completed"
-    assert rt._running == {} and rt._tools_done == {}
+    assert rt._running == {} and rt.core.pauses == {}
     # a new run under the same workflow id is a new program
     rt.turn_started("p", "p/w1", 50)
     assert rt.programs["p"].status == "running" and rt.programs["p"].num_turns == 0

@@ -59,14 +59,10 @@ from prometheus_client import CollectorRegistry, Counter
 from hints import (
     EngineClient,
     EngineSpec,
-    EvictionOrder,
-    Expect,
     GenerateResult,
     HintAck,
     HintModel,
     Pin,
-    Prefetch,
-    Priority,
     Release,
     VllmClient,
     VllmError,
@@ -75,21 +71,13 @@ from hints import (
     parse_engine,
 )
 from orchestrator import (
-    POLICIES,
+    ControlCore,
     HintPolicy,
     NoNodeAvailable,
     PauseModel,
     PrefillEstimator,
-    ProgramEnded,
     Router,
     RouteRequest,
-    Tick,
-    ToolEnded,
-    ToolStarted,
-    TurnEnded,
-    TurnStarted,
-    get_policy,
-    hints_by_node,
 )
 from workflows._api import LLMInput, LLMResult, decode_text
 from workflows._context_moves import ContextMover
@@ -102,7 +90,6 @@ logger = logging.getLogger(__name__)
 
 MAX_PROGRAMS = 10_000  # finished programs (and sessions) whose stats are kept for reports
 MAX_EVENTS = 100_000
-_HINT_TYPES: tuple[type, ...] = (Priority, Pin, EvictionOrder, Prefetch, Expect, Release)
 _ENDED = frozenset({"completed", "failed", "cancelled"})  # the workflow said so (program_end)
 
 
@@ -143,18 +130,15 @@ class ProgramStats:
 
 @dataclass
 class _SessionInfo:
+    """What the runtime keeps of a session beside its pause (``ControlCore.pauses``)."""
+
     program_id: str
     node: str | None = None
     context_tokens: int = 0
     pin_deadline_s: float | None = None  # monotonic, while a pin we placed is live
     pin_node: tuple[str, int] | None = None  # (address, node epoch) of the node that acked that pin
-    tool: str | None = None  # the pause in progress (tool started, next turn not yet)
-    tool_started_s: float = 0.0
-    tool_done: bool = False  # its activity returned; the context waits for the next turn
-    tool_done_s: float = 0.0
     in_turn: bool = False  # TurnStarted was fed and no TurnEnded yet (a failed attempt is retried)
     failed_attempt: str = ""  # the model call whose attempt failed last: its retry is the same turn
-    tools_running: int = 0  # tool activities of this session running now (parallel tools: one pause)
     # The hints the policy returned on this turn's TurnStarted (its Priority), when ``generate`` routes the
     # turn: they go to each node the turn is placed on, not to where its last turn ran (a node that never
     # saw the program would queue the turn as a new program's: behind every other program's turns).
@@ -193,28 +177,22 @@ class HintRuntime:
         specs = [parse_engine(e) for e in engines]
         self.specs: dict[str, EngineSpec] = {s.name: s for s in specs}  # by name, first kept
         self.engines = list(self.specs)
-        self.prefill = PrefillEstimator(prefill_reload_s)
         # Live ticks arrive late by a few periods on a busy machine: renew leases 5 ticks before they
         # lapse (and never lease for less), so a renewed pin has no gap.  Replay ticks exactly: 0 there.
-        kw: dict[str, Any] = {"prefill_reload": self.prefill.reload_s, "renew_ahead_s": 5 * tick_s}
+        kw: dict[str, Any] = {"renew_ahead_s": 5 * tick_s}
         if pause_model is not None:
             kw["pause_model"] = pause_model
-        self.policy: HintPolicy = get_policy(policy, **kw) if isinstance(policy, str) else policy
-        # A registered policy builds every hint through pydantic already (``_BasePolicy._safe``): only a
-        # policy object of the user's own is checked again before its hints leave (``_valid``).
-        self._policy_validates = type(self.policy) in POLICIES.values()
+        # The loop's rules (pauses, ticks, a policy's errors and bad hints, pricing from the nodes' states,
+        # addressing) are the control core's, as in the replay and the vLLM harness; the runtime adds
+        # Temporal's side (retries, reaping, pin outcomes) and the I/O.
+        self.core = ControlCore(
+            policy, nodes=self.engines, node_of=self._node_of, prefill_prior=prefill_reload_s,
+            tool_grace_s=tool_grace_s, on_event=self._on_event, **(kw if isinstance(policy, str) else {}),
+        )  # fmt: skip
+        self.core.on_invalid = self._on_invalid
+        self.policy: HintPolicy = self.core.policy
+        self.prefill: PrefillEstimator = self.core.prefill
         self.router = Router(prefill_s, policy=routing)
-        # engine -> whether its last CacheState showed a host tier; a policy built here by name learns
-        # from it how a lost context comes back (a policy object passed in is left as configured)
-        self._host_tier: dict[str, bool] = {}
-        self._host_hit: dict[str, float] = {}  # address -> its CacheState.host_hit_fraction
-        self._auto_host_reload = isinstance(policy, str)
-        # engine -> its device pool in tokens (from CacheState); a policy built here by name prices pins by
-        # the share of the smallest pool they hold (``ContinuumTTL``'s memory share)
-        self._pool_tokens: dict[str, float] = {}
-        set_pool = getattr(self.policy, "set_pool_tokens", None)
-        if self._auto_host_reload and set_pool is not None:
-            set_pool(lambda: min(self._pool_tokens.values(), default=0.0))
         self.tick_s = tick_s
         self.watch_interval_s = watch_interval_s
         self.tool_grace_s = float(tool_grace_s)
@@ -222,9 +200,7 @@ class HintRuntime:
         self.reap_paused_after_s = max(float(reap_paused_after_s), self.reap_after_s)
         self._last_event_s: dict[str, float] = {}  # live program -> monotonic time of its last event
         self._running: dict[str, int] = {}  # live program -> its activities running on this worker
-        self._tools_done: dict[str, float] = {}  # session -> when its tool's activity returned
         self._next_reap_check_s = 0.0
-        self._logged_invalid: set[str] = set()
         self.registry = registry if registry is not None else CollectorRegistry()
         # Reports keep the most recent programs only: a worker runs for weeks.
         self.programs: dict[str, ProgramStats] = {}
@@ -336,12 +312,11 @@ class HintRuntime:
                     health.ok()
                     self.router.update(addr, state, time.monotonic())
                     self._node_epoch[addr] = state.node_epoch
-                    self._host_hit[addr] = state.host_hit_fraction
                     publisher = self.publishers.get(addr)
                     if publisher is not None:  # a restarted node: hints queued for its earlier life go
                         publisher.note_node_epoch(state.node_epoch)
-                    self.note_host_tier(addr, state.host_total_blocks > 0)
-                    self._pool_tokens[addr] = float(state.total_blocks * state.block_size)
+                    self.note_node_state(addr, state.host_total_blocks > 0, state.total_blocks * state.block_size,
+                                         state.host_hit_fraction)
                     backoff_s = 0.1
             except asyncio.CancelledError:
                 raise
@@ -354,39 +329,22 @@ class HintRuntime:
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
 
-    def note_host_tier(self, addr: str, has_host_tier: bool) -> None:
-        """Pins are priced by the copy back from the host only when every engine has a host tier: on a
-        node without one a pin saves a re-prefill, and the policy does not know which node a session is on."""
-        if not self._auto_host_reload or self._host_tier.get(addr) == has_host_tier:
-            return
-        self._host_tier[addr] = has_host_tier
-        every = set(self._host_tier) >= set(self.engines) and all(self._host_tier.values())
-        set_host_reload = getattr(self.policy, "set_host_reload", None)
-        if set_host_reload is None or every == (getattr(self.policy, "host_reload", None) is not None):
-            return
-        router, engines = self.router, list(self.engines)
-
-        def copy_back_s(n: int) -> float:
-            # the slowest node's copy (the policy does not know where a session is), read at each decision
-            # so that a torch node's measured cost, once it has copied anything, takes over the default
-            return n * max(router.host_reload_s(a) for a in engines)
-
-        hit = self._host_hit
-
-        def host_hit_fraction() -> float:
-            # the share of evicted contexts the nodes' host tiers gave back, as each node measures it
-            # (CacheState.host_hit_fraction), averaged over the nodes heard from
-            shares = [hit[a] for a in engines if a in hit]
-            return sum(shares) / len(shares) if shares else 1.0
-
-        set_host_reload(copy_back_s if every else None, host_hit_fraction if every else None)
-        logger.info("host tier on every engine: %s; pins priced by %s", every, "the copy back" if every else "re-prefill")
+    def note_node_state(
+        self, addr: str, has_host_tier: bool, pool_tokens: float, host_hit_fraction: float = 1.0
+    ) -> None:
+        """What ``addr``'s cache state says about pricing pins (``ControlCore.node_seen``): its host tier,
+        its pool and what its tier gives back; its copy-back cost is the router's measure, read at each
+        decision, so a torch node's measured cost, once it has copied anything, takes over the default."""
+        self.core.node_seen(
+            addr, host_tier=has_host_tier, pool_tokens=float(pool_tokens), host_hit_fraction=host_hit_fraction,
+            reload_s_per_token=functools.partial(self.router.host_reload_s, addr),
+        )  # fmt: skip
 
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
             now = time.monotonic()
-            self._feed(Tick(now))
+            self.publish(self.core.tick(now))
             try:
                 self.sweep(now)
             except Exception:  # bookkeeping must never stop the ticks
@@ -395,17 +353,11 @@ class HintRuntime:
     def sweep(self, now: float) -> None:
         """End pauses whose tool returned ``tool_grace_s`` ago without a next turn; reap programs idle for
         ``reap_after_s``.  Called from the tick loop (``now``: ``time.monotonic()``)."""
-        for sid, done_s in list(self._tools_done.items()):
-            if now - done_s < self.tool_grace_s:
-                continue
-            del self._tools_done[sid]
-            s = self.sessions.get(sid)
-            if s is not None and s.tool is not None and s.tool_done:
-                self._close_pause(s, sid, now)
+        self.publish(self.core.sweep(now))
         if now < self._next_reap_check_s:
             return
         self._next_reap_check_s = now + min(1.0, self.reap_after_s / 10)
-        paused = {s.program_id for s in self.sessions.values() if s.tool is not None and not s.tool_done}
+        paused = {p.program_id for p in self.core.pauses.values() if p.returned_s is None}
         for pid, last in list(self._last_event_s.items()):
             horizon = self.reap_paused_after_s if pid in paused else self.reap_after_s  # a person may take hours
             if now - last >= horizon and not self._running.get(pid, 0):
@@ -426,7 +378,8 @@ class HintRuntime:
         p.status = "reaped"
         # A pause still open is not reported: when it ended is unknown, and the pause model must not learn
         # a terminated program's wait as a tool's run time.
-        self._feed(ProgramEnded(program_id, now, 0), publish=False)
+        self.core.forget(program_id)
+        self.core.program_ended(program_id, now, 0)  # (nothing to send: the program may run elsewhere)
         self._forget(program_id)
         if self.temporal_client is not None and self._started:
             with contextlib.suppress(RuntimeError):  # (no running loop: called outside the worker)
@@ -490,10 +443,9 @@ class HintRuntime:
 
     def program_submitted(self, program_id: str, submitted_unix_s: float) -> None:
         """Date the program from when the client submitted it (program-level FCFS)."""
-        note = getattr(self.policy, "note_program_start", None)
         p = self.programs.get(program_id)
-        if note is not None and (p is None or p.status != "running"):
-            note(program_id, time.monotonic() - max(0.0, time.time() - submitted_unix_s))
+        if p is None or p.status != "running":
+            self.core.program_started(program_id, time.monotonic() - max(0.0, time.time() - submitted_unix_s))
         self._live_program(program_id, time.monotonic())
 
     def turn_started(
@@ -527,14 +479,13 @@ class HintRuntime:
                 p.pins_held += 1
             s.pin_deadline_s, s.pin_node = None, None
         self.pin_outcomes.setdefault(session_id, []).append(outcome)
-        self._close_pause(s, session_id, now)
-        ev = TurnStarted(program_id, session_id, now, context_tokens, workflow)
+        hints = self.core.turn_started(program_id, session_id, now, context_tokens, workflow)
         s.turn_hints_counted = False
         if routed:  # held until generate has placed the turn (_place_turn_hints)
-            s.turn_hints = self._feed(ev, publish=False)
+            s.turn_hints = hints
         else:
             s.turn_hints = []
-            self._feed(ev)
+            self.publish(hints)
 
     def _pin_lost(self, s: _SessionInfo) -> bool:
         """The node that acked the session's pin is down, or has restarted since (a new epoch): the pin
@@ -557,7 +508,7 @@ class HintRuntime:
         self._program(program_id).num_turns += 1
         if context_tokens is not None:
             s.context_tokens = context_tokens
-        self._feed(TurnEnded(program_id, session_id, now, s.context_tokens))
+        self.publish(self.core.turn_ended(program_id, session_id, now, s.context_tokens))
 
     def turn_failed(self, program_id: str, session_id: str, call: str = "") -> None:
         """A model-call attempt failed (Temporal may retry it): no turn counted, no TurnEnded; the session
@@ -573,22 +524,17 @@ class HintRuntime:
         self, program_id: str, session_id: str, tool: str, workflow: str = "", *, activity: bool = True
     ) -> None:
         """A pause starts: a tool's activity (``activity=True``: its end is certain to be reported, and
-        the program is not reaped while it runs) or a wait marked by ``pause(...)``."""
+        the program is not reaped while it runs) or a wait marked by ``pause(...)``.  A tool beside one
+        of the session's still running joins its pause (``ControlCore.tool_started``)."""
         now = time.monotonic()
         p = self._live_program(program_id, now)
         if activity:
             self._activity(program_id, +1)
         s = self._session(session_id, program_id)
         s.in_turn = False
-        if activity:
-            s.tools_running += 1
-            if s.tools_running > 1 and s.tool is not None and not s.tool_done:
-                p.num_tools += 1  # a tool beside one still running: the session's pause goes on until
-                return  # every one of them returned (reported under the first one's name)
-        self._close_pause(s, session_id, now)
         p.num_tools += 1
-        s.tool, s.tool_started_s, s.tool_done = tool, now, False
-        self._feed(ToolStarted(program_id, session_id, tool, now, s.context_tokens, workflow))
+        self.publish(self.core.tool_started(program_id, session_id, tool, now, s.context_tokens, workflow,
+                                            activity=activity))
 
     def tool_ended(
         self, program_id: str, session_id: str, tool: str, duration_s: float, *, activity: bool = True
@@ -604,35 +550,13 @@ class HintRuntime:
             return
         now = time.monotonic()
         self._last_event_s[program_id] = now
-        s = self._session(session_id, program_id)
-        if activity and s.tools_running > 0:
-            s.tools_running -= 1
-            if s.tools_running > 0:
-                return  # other tools of the session still run: the pause goes on
-        if s.tool is None:  # no start seen (e.g. a runtime restart): report what the activity measured
-            self._feed(ToolEnded(program_id, session_id, tool, now, duration_s))
-            return
-        s.tool_done, s.tool_done_s = True, now
-        self._tools_done[session_id] = now
-
-    def _close_pause(self, s: _SessionInfo, session_id: str, now: float | None = None) -> None:
-        if s.tool is None:
-            return
-        now = time.monotonic() if now is None else now
-        tool, started = s.tool, s.tool_started_s
-        # Ended by the grace period: the idle time after the activity returned is not the tool's.
-        end = s.tool_done_s if s.tool_done and now - s.tool_done_s >= self.tool_grace_s else now
-        s.tool, s.tool_done = None, False
-        self._tools_done.pop(session_id, None)
-        self._feed(ToolEnded(s.program_id, session_id, tool, now, max(0.0, end - started)))
+        self._session(session_id, program_id)
+        self.publish(self.core.tool_returned(program_id, session_id, tool, now, duration_s, activity=activity))
 
     def program_ended(self, program_id: str, status: str = "completed") -> None:
         p = self._program(program_id)
         p.status = status
-        now = time.monotonic()
-        for sid, s in self._sessions_of(program_id):
-            self._close_pause(s, sid, now)
-        self._feed(ProgramEnded(program_id, now, p.num_turns))
+        self.publish(self.core.program_ended(program_id, time.monotonic(), p.num_turns))
         self._forget(program_id)
 
     def _forget(self, program_id: str) -> None:
@@ -640,7 +564,6 @@ class HintRuntime:
         gone = {sid for sid, _ in self._sessions_of(program_id)}
         for sid in gone:
             del self.sessions[sid]
-            self._tools_done.pop(sid, None)
         for key in [k for k in self._pin_deadline_at_send if k[0] in gone]:
             del self._pin_deadline_at_send[key]
         self._last_event_s.pop(program_id, None)
@@ -653,45 +576,15 @@ class HintRuntime:
         for sid in list(self.pin_outcomes)[: max(0, len(self.pin_outcomes) - MAX_PROGRAMS)]:
             del self.pin_outcomes[sid]
 
-    def _feed(self, event: Any, *, publish: bool = True) -> list[HintModel]:
-        """Tell the policy; publish what it returns (validated) and return what was published;
-        ``publish=False``: return what it returned, unsent."""
+    def _on_event(self, event: Any) -> None:
+        """Every event the core feeds the policy: kept (the recent ones) and counted, ticks aside."""
         kind = type(event).__name__
         if kind != "Tick":
             self.events.append(event)
             self._m_events.labels(kind).inc()
-        try:
-            hints = self.policy.on_event(event)
-            if not publish:
-                return list(hints or [])
-            return self.publish(hints) if hints else []
-        except Exception:  # a policy bug must not fail the user's activity
-            logger.exception("policy %s failed on %s", getattr(self.policy, "name", "?"), kind)
-            return []
 
-    def _valid(self, hints: Any) -> list[HintModel]:
-        """The hints that are ``hints`` models and pass validation afresh (a policy may build them with
-        ``model_construct`` or return anything at all); the rest are dropped, counted and logged."""
-        out: list[HintModel] = []
-        for h in hints:
-            kind = type(h).__name__
-            try:
-                if type(h) not in _HINT_TYPES:
-                    raise TypeError(f"not a hint: {h!r:.200}")
-                out.append(type(h).model_validate(h.model_dump(warnings=False)))
-            except Exception as exc:
-                self._m_invalid.labels(kind).inc()
-                try:
-                    self.policy.num_invalid_hints += 1
-                except Exception:  # a policy object without the counter (or a read-only one)
-                    logger.debug("policy has no num_invalid_hints to count in", exc_info=True)
-                level = logging.DEBUG if kind in self._logged_invalid else logging.WARNING
-                self._logged_invalid.add(kind)
-                logger.log(
-                    level, "policy %s returned an invalid %s, dropped (only the first of each kind is "
-                    "logged as a warning): %s", getattr(self.policy, "name", "?"), kind, exc,
-                )  # fmt: skip
-        return out
+    def _on_invalid(self, kind: str) -> None:
+        self._m_invalid.labels(kind).inc()
 
     # ---- hints out ----------------------------------------------------------------------------------
     def _node_of(self, session_id: str) -> str | None:
@@ -700,10 +593,12 @@ class HintRuntime:
         return s.node if s is not None and s.node in self.publishers else None
 
     def publish(self, hints: Sequence[HintModel], *, count: bool = True) -> list[HintModel]:
-        """Send each hint to the node(s) it concerns; a user policy's are validated again first (see
-        :meth:`_valid`).  Returns the hints that passed.  ``count=False``: hints sent before, sent again
+        """Send each hint to the node(s) it concerns (``ControlCore.address``: a user policy's hints were
+        validated there).  Returns them.  ``count=False``: hints sent before, sent again
         (``hintflow_hints_emitted_total`` counts what the policy produced, once)."""
-        hints = list(hints) if self._policy_validates else self._valid(hints)
+        hints = list(hints)
+        if not hints:
+            return hints
         pin_deadlines: dict[tuple[str, str], float] = {}
         for h in hints:
             if count:
@@ -715,8 +610,9 @@ class HintRuntime:
         if not self._started:
             return hints  # a late activity after stop(): nothing to deliver to
         self._pin_deadline_at_send.update(pin_deadlines)
-        for addr, batch in hints_by_node(hints, self._node_of, list(self.publishers)).items():
-            self.publishers[addr].publish(batch)
+        for addr, batch in self.core.address(hints).items():
+            if addr in self.publishers:
+                self.publishers[addr].publish(batch)
         return hints
 
     def _on_drop(self, hints: list[HintModel], reason: str) -> None:
@@ -839,12 +735,7 @@ class HintRuntime:
                 self.router.finished(addr, inp.session_id)
             s.context_tokens = len(inp.prompt_token_ids) + len(res.token_ids)
             prefilled = res.num_prompt_tokens - res.num_cached_tokens - res.num_host_hit_tokens
-            self.prefill.observe(prefilled, res.ttft_s - res.queue_wait_s)
-            if res.num_recomputed_tokens > 0:
-                # Continuum's T: how long a turn whose context had been evicted waited in the queue.
-                ttl = getattr(self.policy, "ttl", None)
-                if ttl is not None:
-                    ttl.observe_evicted_queue_delay(max(0.0, res.queue_wait_s))
+            self.core.turn_done(prefilled, res.ttft_s - res.queue_wait_s, res.queue_wait_s, res.num_recomputed_tokens)
             return LLMResult(
                 token_ids=res.token_ids,
                 text=decode_text(res.token_ids),
