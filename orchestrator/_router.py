@@ -138,6 +138,11 @@ class Router:
             pending = {s: p for s, p in old.pending.items() if p.seen_version >= state.version}
         self._nodes[address] = _Node(state, now_s, pending, {r.session_id: r for r in state.sessions})
 
+    def node_epoch(self, address: str) -> int | None:
+        """The node life ``address``'s latest state showed (None: no state, or the node was removed)."""
+        node = self._nodes.get(address)
+        return node.state.node_epoch if node is not None else None
+
     def remove(self, address: str) -> None:
         """Forget a node that is gone or unreachable: it is never chosen again until updated anew."""
         self._nodes.pop(address, None)

@@ -256,6 +256,9 @@ def test_node_restart_forgets_prefix_affinity(restart: str) -> None:
     router.update("a", new_state, now_s=0.0)
     d = router.choose(req, now_s=0.0)
     assert d.warm_tokens == 0 and d.expected_s["a"] == d.expected_s["b"]  # also no pending left on a
+    assert router.node_epoch("a") == new_state.node_epoch  # the life a pin acked there is checked against
+    router.remove("a")
+    assert router.node_epoch("a") is None
 
 
 def test_remove_forgets_prefix_affinity_for_a_node_that_comes_back() -> None:

@@ -209,7 +209,6 @@ class HintRuntime:
         # per session, per turn: was a pin we placed still live when the turn started ("held"), had it
         # lapsed, or gone with a node that died or restarted since ("expired"), or was there none ("none")
         self.pin_outcomes: dict[str, list[str]] = {}
-        self._node_epoch: dict[str, int] = {}  # address -> the node life its cache-state stream last showed
         # Model calls run again on another node because the chosen one could not be reached or broke off
         # mid-call (its process died): each is one failover, within the same activity attempt.
         self.num_failovers = 0
@@ -311,7 +310,6 @@ class HintRuntime:
                 async for state in client.watch_cache_state(self.watch_interval_s, include_sessions=True):
                     health.ok()
                     self.router.update(addr, state, time.monotonic())
-                    self._node_epoch[addr] = state.node_epoch
                     publisher = self.publishers.get(addr)
                     if publisher is not None:  # a restarted node: hints queued for its earlier life go
                         publisher.note_node_epoch(state.node_epoch)
@@ -494,7 +492,8 @@ class HintRuntime:
             return False
         addr, epoch = s.pin_node
         health = self.node_health.get(addr)
-        return (health is not None and health.down) or self._node_epoch.get(addr, epoch) != epoch
+        now_epoch = self.router.node_epoch(addr)  # None: no state since it went away (then health says down)
+        return (health is not None and health.down) or (now_epoch is not None and now_epoch != epoch)
 
     def turn_ended(self, program_id: str, session_id: str, context_tokens: int | None = None) -> None:
         """A model-call attempt succeeded: one turn."""
