@@ -36,7 +36,7 @@ from orchestrator._policy import (
 )
 from orchestrator._policy_spec import Option, parse_options, parse_value
 from orchestrator._prefill import PrefillEstimator
-from orchestrator._rebalance import MAX_MOVES_PER_TURN, NodeRoom, QueuedTurn, move_target
+from orchestrator._rebalance import MAX_MOVES_PER_TURN, NodeRoom, QueuedTurn, move_target, take_context_along
 from orchestrator._router import (
     ROUTING_POLICIES,
     NodeView,
@@ -113,4 +113,5 @@ __all__ = [
     "role_of",
     "shared_prefix_steps",
     "steps_to_execution",
+    "take_context_along",
 ]

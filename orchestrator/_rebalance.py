@@ -7,7 +7,11 @@ that node pays for; copying it costs a transfer, about a host reload's price.  T
     turn t queued on A, never admitted, A's scheduler has passed it over, waited >= its transfer time
     node B: nothing waiting, a free sequence slot, room >= what t needs to finish   ->  move t to B
 
-A turn moves only after waiting on its node as long as its transfer takes, so one that its own node admits
+A session the router sends away from its home at a turn's start takes its context along by
+``take_context_along``: when the destination can take the turn now and the copy is expected quicker than
+recomputing the context there.
+
+A queued turn moves only after waiting on its node as long as its transfer takes, so one that its own node admits
 within that time never pays for a copy; the wait is counted from when the turn reached its node, so a moved
 turn is not moved on before its new node has looked at it (no ping-pong); and at most twice.  Of the nodes
 that fit, the one with the most room (the first of equals, in the caller's order).
@@ -23,7 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_MOVES_PER_TURN", "NodeRoom", "QueuedTurn", "move_target"]
+__all__ = ["MAX_MOVES_PER_TURN", "NodeRoom", "QueuedTurn", "move_target", "take_context_along"]
 
 MAX_MOVES_PER_TURN = 2
 """A turn that could not start after two moves waits where it is."""
@@ -72,3 +76,15 @@ def move_target(turn: QueuedTurn, nodes: Sequence[NodeRoom], transfer_s_per_toke
     if not fitting:
         return None
     return max(fitting, key=lambda n: n.room_blocks).address  # (ties: the first in the caller's order)
+
+
+def take_context_along(
+    context_tokens: int, need_tokens: int, dst: NodeRoom, transfer_s_per_token: float | None, recompute_s: float
+) -> bool:
+    """Whether a session the router sent away from its home takes its context along to ``dst``: there is a
+    context to copy, ``dst`` can take the turn now (a free sequence slot, room for what the turn needs to
+    finish), and the copy is expected to be quicker than recomputing it there (``transfer_s_per_token``
+    None: no move measured yet, the first is tried on faith)."""
+    if context_tokens <= 0 or dst.free_slots <= 0 or dst.room_blocks < -(-need_tokens // dst.block_size):
+        return False
+    return transfer_s_per_token is None or context_tokens * transfer_s_per_token < recompute_s

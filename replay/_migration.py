@@ -15,7 +15,9 @@ step and policy tick::
                                                             the copy is on the wire)
     after transfer_s: A lets go of its copy; t1 is submitted on B
 
-A session the router sends to another node at turn start takes its context along the same way.  The
+A session the router sends to another node at turn start takes its context along the same way, when
+``orchestrator.take_context_along`` says so (the destination has room for the turn now, and the copy beats
+recomputing), the rule the live runtime follows too.  The
 receiver takes its blocks before the copy starts, as an RDMA transfer's receiver does, so a move that finds
 no room fails at once and the turn stays (or is resubmitted) where its context is; the source keeps its copy
 until the transfer is over.  The turn keeps its ``ready_s``, so its TTFT and queue wait include the time it
@@ -39,7 +41,14 @@ from typing import TYPE_CHECKING
 
 from engine_adapter import EngineError, Request, SessionState
 from hints import Pin, Priority
-from orchestrator import MAX_MOVES_PER_TURN, NodeRoom, QueuedTurn, RouteRequest, move_target
+from orchestrator import (
+    MAX_MOVES_PER_TURN,
+    NodeRoom,
+    QueuedTurn,
+    RouteRequest,
+    move_target,
+    take_context_along,
+)
 from replay._nodes import SimNode
 from replay._runs import SessionRun
 
@@ -109,17 +118,16 @@ class Migrator:
         held = sum(self._blocks(node, len(r.prompt) + r.max_new_tokens) for r in node.engine.scheduler.running)
         return kv.device.num_blocks - held - kv.num_pinned_blocks - self._inbound[node.address]
 
-    def fits(self, node: SimNode, need: int) -> bool:
-        """Whether ``node`` could admit a turn needing ``need`` blocks now: room, and a free sequence slot
-        (counting the turns already on their way there)."""
-        sched = node.engine.scheduler
-        slots = sched.config.max_num_seqs - len(sched.running) - self._inbound_turns[node.address]
-        return slots > 0 and self._room(node) >= need
-
-    def holds(self, node: SimNode, session_id: str) -> bool:
-        """Whether ``node`` has a parked context of the session to move."""
-        s = node.engine.kv.sessions.get(session_id)
-        return s is not None and s.state is SessionState.PARKED and bool(s.num_device_tokens + s.num_host_tokens)
+    def take_along(self, src: SimNode, dst: SimNode, s: SessionRun) -> bool:
+        """Whether the session, routed from ``src`` to ``dst`` at its turn's start, takes its parked context
+        along (``orchestrator.take_context_along``; recomputing priced by the replay's learned prefill)."""
+        held = src.engine.kv.sessions.get(s.key)
+        if held is None or held.state is not SessionState.PARKED:
+            return False
+        num_tokens = held.num_device_tokens + held.num_host_tokens
+        need_tokens = len(s.prompt) + s.session.turns[s.turn_index].output_tokens
+        return take_context_along(num_tokens, need_tokens, self._node_room(dst), self.per_token_s,
+                                  self.sim.prefill.reload_s(num_tokens))
 
     def turn_blocks(self, node: SimNode, s: SessionRun) -> int:
         """Blocks the session's turn in flight needs to finish (its whole prompt and output)."""

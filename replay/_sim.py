@@ -285,7 +285,7 @@ class Simulation:
         src = self.by_address[moved_from] if moved_from is not None else None
         dst = self.by_address[address]
         mig = self.migrator
-        if src is not None and mig is not None and mig.holds(src, s.key) and mig.fits(dst, mig.turn_blocks(dst, s)):
+        if src is not None and mig is not None and mig.take_along(src, dst, s):
             mig.move(src, dst, s)  # takes the context along
         else:
             if src is not None:  # the context stays behind: unpin it there (it is recomputed here)

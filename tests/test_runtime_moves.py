@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from hints import EngineClient, Pin, Priority, Release
-from orchestrator import NodeView, Router, RouteRequest
+from orchestrator import NodeView, RouteRequest
 from tests.polling import until
 from workflows import HintRuntime
 from workflows._api import LLMInput
@@ -130,9 +130,13 @@ async def test_a_failed_move_leaves_the_context_usable_at_its_source(start_engin
         if why == "destination down":
             await b.stop()
         assert rt.mover is not None
-        moved = await rt.mover.take_along(a.address, b.address, "s2", recompute_s=lambda n: 1.0)
+        moved = await rt.mover.take_along(a.address, b.address, "s2", len(prompt) + 2, recompute_s=lambda n: 1.0)
         assert not moved
-        assert (rt.mover.stats.num_moves, rt.mover.stats.num_failed) == (0, 1)
+        stats = rt.mover.stats
+        if why == "no room there":  # b's state says it has no room for the turn: not even tried
+            assert (stats.num_moves, stats.num_failed, stats.num_skipped) == (0, 0, 1)
+        else:  # tried (a node the router still has, or has no state of), and it failed
+            assert (stats.num_moves, stats.num_failed) == (0, 1)
         # Still whole at the source: the next turn there finds every token.
         script.target = a.address
         again = await rt.generate(PROGRAM, LLMInput("s2", prompt + first.token_ids + [9], max_new_tokens=2))
@@ -144,17 +148,17 @@ async def test_a_failed_move_leaves_the_context_usable_at_its_source(start_engin
         await _whole(b.address)
 
 
-def test_a_move_is_skipped_when_recomputing_is_quicker() -> None:
-    from prometheus_client import CollectorRegistry
+def test_a_routed_move_needs_room_and_must_beat_recomputing() -> None:
+    """``orchestrator.take_context_along``: the rule the live mover and the replay's migrator both call."""
+    from orchestrator import NodeRoom, take_context_along
 
-    from workflows._context_moves import ContextMover
-
-    mover = ContextMover(Router(), {}, CollectorRegistry())
-    assert mover.worth_it(1000, 0.01)  # no move measured yet: tried on faith
-    mover._recent.append((1000, 0.5))  # 0.5 ms a token measured
-    assert not mover.worth_it(1000, 0.1)
-    assert mover.worth_it(1000, 1.0)
-    assert not mover.worth_it(0, 1.0)
+    room = NodeRoom("b", num_waiting=0, free_slots=1, room_blocks=63, block_size=16)  # 1,008 tokens
+    assert take_context_along(1000, 1000, room, None, 0.01)  # no move measured yet: tried on faith
+    assert not take_context_along(1000, 1009, room, None, 1.0)  # the turn would not fit there now
+    assert not take_context_along(1000, 1000, NodeRoom("b", 0, 0, 63, 16), None, 1.0)  # no sequence slot
+    assert not take_context_along(1000, 1000, room, 5e-4, 0.1)  # 0.5 ms a token measured: recomputing wins
+    assert take_context_along(1000, 1000, room, 5e-4, 1.0)
+    assert not take_context_along(0, 1000, room, None, 1.0)  # nothing to take along
 
 
 async def test_a_queued_turn_moves_with_its_context_to_a_node_with_room(start_engine: Any) -> None:

@@ -4,9 +4,12 @@ Two moves, both streamed from node to node by ``hints.move_context`` (two-phase:
 once the destination has committed the copy; docs/failures.md says what each failure leaves):
 
 * **Routed**: the router sends a session's turn away from its home node (``HintFlowRouting`` does when
-  home's queue makes even a cold start elsewhere cheaper).  The context goes along when the copy is
-  expected to be quicker than re-prefilling it there: tokens times the seconds per token the recent moves
-  took (the first is tried on faith) against the runtime's measured ``PrefillReload``.
+  home's queue makes even a cold start elsewhere cheaper).  The context goes along by
+  ``orchestrator.take_context_along``, the rule the replay's migrator calls too: when the destination has
+  room for the turn now (its last ``free_blocks`` less what moves on their way there were promised; a node
+  the router has no state of is tried) and the copy is expected to be quicker than re-prefilling it
+  there: tokens times the seconds per token the recent moves took (the first is tried on faith) against
+  the runtime's measured ``PrefillReload``.
 * **Queued**: a turn waits on its node, never admitted, while another node has room for it now.  The rule is
   ``orchestrator.move_target`` (rent-or-buy: only after waiting as long as its copy takes; at most twice),
   the same function the replay's migrator calls.  The turn's call is cancelled (the node aborts the
@@ -32,7 +35,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from hints import ContextMove, ContextMoveError, EngineClient, GenerateResult, VllmClient, move_context
-from orchestrator import NodeRoom, QueuedTurn, Router, move_target
+from orchestrator import NodeRoom, QueuedTurn, Router, move_target, take_context_along
 
 __all__ = ["ContextMover", "MoveStats"]
 
@@ -102,23 +105,18 @@ class ContextMover:
         measured = self._measured_s_per_token()
         return measured if measured is not None else self.router.host_reload_s(src)
 
-    def worth_it(self, num_tokens: int, recompute_s: float) -> bool:
-        """Whether copying ``num_tokens`` is expected to be quicker than recomputing them (a first move is
-        tried on faith)."""
-        measured = self._measured_s_per_token()
-        return num_tokens > 0 and (measured is None or measured * num_tokens < recompute_s)
-
     # ---- routed moves ---------------------------------------------------------------------------------
     async def take_along(
-        self, src: str, dst: str, session_id: str, recompute_s: Callable[[int], float]
+        self, src: str, dst: str, session_id: str, need_tokens: int, recompute_s: Callable[[int], float]
     ) -> bool:
-        """Move the session's context from its home ``src`` to ``dst``, where its turn was routed, if both
-        are embedded nodes and the copy beats ``recompute_s(tokens)``; whether it moved (if not, the turn
-        runs cold on ``dst``)."""
+        """Move the session's context from its home ``src`` to ``dst``, where its turn (``need_tokens`` to
+        finish: prompt and output) was routed, if both are embedded nodes and ``take_context_along`` says
+        so; whether it moved (if not, the turn runs cold on ``dst``)."""
         num_tokens = self.router.session_tokens(src, session_id)
         if not self._embedded(src, dst) or not num_tokens:
             return False
-        if not self.worth_it(num_tokens, recompute_s(num_tokens)):
+        room = self._room(dst) or NodeRoom(dst, 0, _UNBOUNDED_SLOTS, _UNBOUNDED_SLOTS, 1)  # no state: tried
+        if not take_context_along(num_tokens, need_tokens, room, self._measured_s_per_token(), recompute_s(num_tokens)):
             self.stats.num_skipped += 1
             self._m_moves.labels("routed", "skipped").inc()
             return False

@@ -684,7 +684,10 @@ class HintRuntime:
             t0 = time.monotonic()
             moved = False
             if decision.moved_from is not None and not tried and self.mover is not None:
-                moved = await self.mover.take_along(decision.moved_from, addr, inp.session_id, self.prefill.reload_s)
+                moved = await self.mover.take_along(
+                    decision.moved_from, addr, inp.session_id, len(inp.prompt_token_ids) + inp.max_new_tokens,
+                    self.prefill.reload_s,
+                )
             if decision.moved_from is not None and not moved and decision.moved_from in self.publishers:
                 # The old copy is stale now: let it go rather than hold a pin on it.
                 self.publishers[decision.moved_from].publish([Pin(session_id=inp.session_id, ttl_s=0.0)])
