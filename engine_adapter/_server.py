@@ -39,6 +39,7 @@ from prometheus_client import start_http_server
 from pydantic import TypeAdapter, ValidationError
 
 from hints import (
+    IMPORT_ACK_KEY,
     HintAck,
     HintResult,
     OptionalProgramId,
@@ -280,6 +281,10 @@ class EngineNodeServicer(engine_pb2_grpc.EngineNodeServicer):
             header = _header_from_proto(first.header)
             imp = await _owned(lambda: self.core.begin_import(header), lambda i: i.abort())
             try:
+                # The header's ack: the blocks are reserved, so the mover may stream the KV now.  A refusal
+                # ends the call instead, and the mover (which waits for this before its first chunk) gets
+                # the refusal's own code, not a write failing against a finished call.
+                await context.send_initial_metadata(((IMPORT_ACK_KEY, "reserved"),))
                 msg: engine_pb2.ContextChunk | None = first
                 while msg is not None:
                     if msg is not first and msg.HasField("header"):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hints import engine_pb2, engine_pb2_grpc
-    from hints._client import EngineClient, GenerateChunk, GenerateResult
+    from hints._client import IMPORT_ACK_KEY, EngineClient, GenerateChunk, GenerateResult
     from hints._convert import (
         DecodedBatch,
         HintDecodeError,
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from hints._vllm_client import VllmClient, VllmError, VllmFailed, VllmRejected, VllmUnreachable
 
 __all__ = [
+    "IMPORT_ACK_KEY",
     "MAX_HORIZON_S",
     "MAX_PIN_TTL_S",
     "MAX_PROGRAM_AGE_S",
@@ -108,7 +109,7 @@ __all__ = [
 ]
 
 _MODULES = frozenset({"engine_pb2", "engine_pb2_grpc"})
-_CLIENT = frozenset({"EngineClient", "GenerateChunk", "GenerateResult"})
+_CLIENT = frozenset({"IMPORT_ACK_KEY", "EngineClient", "GenerateChunk", "GenerateResult"})
 _MOVE = frozenset({"ContextMove", "ContextMoveError", "move_context"})
 _NODES = frozenset({"EngineSpec", "parse_engine"})
 _EPOCH = frozenset({"new_node_epoch", "stale_batch_results"})

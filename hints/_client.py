@@ -14,6 +14,7 @@ two-phase move built on them).  Imports only ``hints`` and grpc.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Sequence
@@ -27,8 +28,13 @@ from hints import engine_pb2, engine_pb2_grpc
 from hints._convert import ack_from_proto, batch_to_proto, cache_state_from_proto
 from hints._models import CacheState, Hint, HintAck, HintBatch
 
+IMPORT_ACK_KEY = "hintflow-import"
+"""Initial metadata a node sends on ``ImportContext`` once it has accepted the header and reserved the
+blocks; the client streams the KV only after it."""
+
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "IMPORT_ACK_KEY",
     "EngineClient",
     "GenerateChunk",
     "GenerateResult",
@@ -233,11 +239,18 @@ class EngineClient:
         keeps nothing of it."""
         call = self._stub.ImportContext()
         try:
-            async for chunk in chunks:
-                if call.done():
-                    break  # the node ended the call (it refused the context): awaiting it raises why
-                await call.write(chunk)
-            await call.done_writing()  # (a no-op on a finished call)
+            it = aiter(chunks)
+            header = await anext(it, None)
+            # The node acks an accepted header (its blocks reserved) before any KV is sent: a node that
+            # refuses ends the call instead, and awaiting the call raises the node's code (a chunk written
+            # into a refusal would turn that code into INTERNAL).
+            if header is not None and await _write(call, header) and await _acked(call):
+                async for chunk in it:
+                    if call.done() or not await _write(call, chunk):
+                        break  # the node ended the call: awaiting it raises why
+            if not call.done():
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await call.done_writing()  # (the call may end meanwhile: its status says why)
             response: engine_pb2.ImportContextResponse = await call
             return response
         finally:
@@ -265,3 +278,21 @@ class EngineClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+async def _write(call: Any, msg: engine_pb2.ContextChunk) -> bool:
+    """Write one chunk; False when the call ended under it (its status, awaited, says why)."""
+    try:
+        await call.write(msg)
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        return False
+    return True
+
+
+async def _acked(call: Any) -> bool:
+    """Whether the node acked the context's header (``IMPORT_ACK_KEY`` in its initial metadata)."""
+    try:
+        metadata = await call.initial_metadata()
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        return False
+    return any(key == IMPORT_ACK_KEY for key, _ in (metadata or ()))
