@@ -16,8 +16,10 @@ nodes, one gRPC stream).  So the rules below hold alike wherever a policy runs:
 * **a user's policy object** has its hints validated again before they leave (``validate``); a bad one is
   dropped and counted in ``policy.num_invalid_hints`` (registered policies build theirs validated);
 * **pricing**: a policy built here by name learns the nodes' device pool (the smallest), whether every
-  node has a host tier (then pins are priced by the copy back, the slowest node's), and the share of
-  evicted contexts the host tiers give back (the mean over the nodes), from ``node_seen``;
+  node has a host tier (then pins are priced by the copy back, the slowest node's), the share of
+  evicted contexts the host tiers give back (the mean over the nodes), and the wait behind their prefill
+  backlogs (the mean; ``hintflow`` takes it as a floor under Continuum's T, as the vLLM node's own
+  inference does), from ``node_seen``;
 * **the cost of a re-prefill** is learned from finished turns (``turn_done``: ``PrefillEstimator``), and
   Continuum's T from the queue wait of turns that recomputed context;
 * **addressing**: a hint about a session goes to the node its shell says holds it (``node_of``), else to
@@ -69,6 +71,7 @@ class _NodeKnobs:
     pool_tokens: float
     host_hit_fraction: Reading
     reload_s_per_token: Reading
+    prefill_backlog_tokens: Reading
 
 
 class ControlCore:
@@ -112,14 +115,18 @@ class ControlCore:
         set_pool = getattr(self.policy, "set_pool_tokens", None)
         if self._auto and set_pool is not None:
             set_pool(lambda: min((k.pool_tokens for k in self._knobs.values()), default=0.0))
+        set_floor = getattr(self.policy, "set_queue_delay_floor", None)
+        if self._auto and set_floor is not None:
+            set_floor(self._backlog_wait_s)
 
     # ---- nodes --------------------------------------------------------------------------------------
     def node_seen(
         self, node: str, *, host_tier: bool, pool_tokens: float, host_hit_fraction: Reading = 1.0,
-        reload_s_per_token: Reading = 0.0,
+        reload_s_per_token: Reading = 0.0, prefill_backlog_tokens: Reading = 0.0,
     ) -> None:
         """What a node's cache state says about pricing (see the module doc); call it with every state."""
-        self._knobs[node] = _NodeKnobs(host_tier, float(pool_tokens), host_hit_fraction, reload_s_per_token)
+        self._knobs[node] = _NodeKnobs(host_tier, float(pool_tokens), host_hit_fraction, reload_s_per_token,
+                                       prefill_backlog_tokens)
         if node not in self.nodes:
             self.nodes.append(node)
         every = bool(self.nodes) and all(a in self._knobs and self._knobs[a].host_tier for a in self.nodes)
@@ -138,6 +145,12 @@ class ControlCore:
 
         set_host_reload(copy_back_s if every else None, hit_share if every else None)
         logger.info("host tier on every node: %s; pins priced by %s", every, "the copy back" if every else "re-prefill")
+
+    def _backlog_wait_s(self) -> float:
+        """The wait behind the nodes' prefill backlog (the mean over the nodes, priced at the learned
+        re-prefill cost): what a turn that recomputes its context would queue behind now."""
+        waits = [self.prefill.reload_s(round(_read(k.prefill_backlog_tokens))) for k in self._knobs.values()]
+        return sum(waits) / len(waits) if waits else 0.0
 
     # ---- events -------------------------------------------------------------------------------------
     def program_started(self, program_id: str, start_s: float) -> None:

@@ -44,14 +44,16 @@ class HintFlowPolicy(ContinuumPolicy):
         back (``host_hit_fraction``, the node's measure); the rest is priced as a re-prefill, as the vLLM
         node's own inference prices it. The estimates learned so far carry over."""
         old = self.ttl
+        floor = self.queue_delay_floor  # T at least the wait behind the nodes' prefill backlog, as on the node
         if self.host_reload is None:
-            self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload, pool_tokens=self.pool_tokens)
+            self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload, pool_tokens=self.pool_tokens,
+                                    queue_delay_floor_s=floor)
         else:
             prefill, host = self.prefill_reload, self.host_reload
             self.ttl = HostTierTTL(
                 self.pause_model, lambda n: min(float(prefill(n)), float(host(n))), pool_tokens=self.pool_tokens,
                 miss_reload=prefill if self.host_hit_fraction is not None else None,
-                host_hit_fraction=self.host_hit_fraction,
+                host_hit_fraction=self.host_hit_fraction, queue_delay_floor_s=floor,
             )
         self.ttl.learn_from(old)
 

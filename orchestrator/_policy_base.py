@@ -79,6 +79,7 @@ class _BasePolicy:
         pool_tokens: Callable[[], float] | None = None,
         memory_share: bool = False,
         host_hit_fraction: Callable[[], float] | None = None,
+        backlog_floor: bool = True,
     ) -> None:
         self.pause_model = pause_model if pause_model is not None else PauseModel()
         self.prefill_reload = prefill_reload
@@ -93,6 +94,11 @@ class _BasePolicy:
         # (HintFlowPolicy; off by default here, on in the vLLM node's own inference: docs/tuning.md).
         self.pool_tokens = pool_tokens if memory_share else None
         self.memory_share = memory_share
+        # A floor under Continuum's T, read at each decision: the wait behind the nodes' prefill backlog
+        # (``set_queue_delay_floor``; the vLLM node's own inference has the same floor).  Only
+        # ``HintFlowPolicy`` uses it, and only with ``backlog_floor``; the baselines price T as their papers do.
+        self.backlog_floor = backlog_floor
+        self.queue_delay_floor: Callable[[], float] | None = None
         self.ttl = ContinuumTTL(self.pause_model, prefill_reload)
         self.rel_change = rel_change
         # ... and by more than this many seconds: a prediction that stays "D from now" (memoryless) moves
@@ -121,6 +127,13 @@ class _BasePolicy:
         """The nodes' device pool in tokens, read at each decision (the live runtime learns it from
         ``CacheState``); only ``HintFlowPolicy`` uses it, unless built with ``memory_share=False``."""
         self.pool_tokens = pool_tokens if self.memory_share else None
+        self._host_reload_changed()
+
+    def set_queue_delay_floor(self, floor_s: Callable[[], float] | None) -> None:
+        """The wait a turn that recomputes its context would see now, behind the nodes' prefill backlog
+        (the runtime learns it from ``CacheState.prefill_backlog_tokens``); a floor under T for
+        ``HintFlowPolicy`` when built with ``backlog_floor``."""
+        self.queue_delay_floor = floor_s if self.backlog_floor else None
         self._host_reload_changed()
 
     def _host_reload_changed(self) -> None:

@@ -43,6 +43,8 @@ POLICY_OPTIONS: dict[str, Option] = {
                            minimum=0.0),
     "renew_ahead_s": Option(float, "renew a pin this many seconds before its lease lapses (default: the "
                                    "policy's; the live runtime uses 5 ticks)", minimum=0.0, nullable=True),
+    "backlog_floor": Option(bool, "price a pin with Continuum's T at least the wait behind the nodes' prefill "
+                                  "backlog, as the vLLM node's own inference does (hintflow only; default true)"),
     "memory_share": Option(bool, "price a pin by the share of the device pool it holds, not as if it held "
                                  "the whole pool (hintflow only; default false: Continuum's cost)"),
     "pause.min_samples": Option(int, "pauses a tool needs before its own distribution is used; before "

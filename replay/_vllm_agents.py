@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["HintPusher", "ProgramResult", "TurnResult", "run_program"]
 
 HOST_HIT_READ_S = 1.0
-"""How often the pusher reads the node's ``host_hit_fraction`` (a ``GetCacheState`` call)."""
+"""How often the pusher reads the node's ``CacheState`` (its host-hit share and prefill backlog; a ``GetCacheState`` call)."""
 
 
 @dataclass
@@ -84,11 +84,12 @@ class HintPusher:
         # what the node's host tier gives back (its CacheState, read every HOST_HIT_READ_S), as the live
         # runtime reads it from the state stream
         self.host_hit = 1.0
-        self._read_hits = host_s_per_token is not None
+        self.backlog_tokens = 0  # the node's prefill backlog (CacheState), read with its host hits
         self.core = ControlCore(policy_name, nodes=[target], prefill_prior=lambda n: s_per_token * n)
         self.core.node_seen(
             target, host_tier=host_s_per_token is not None, pool_tokens=pool_tokens or 0.0,
             host_hit_fraction=lambda: self.host_hit, reload_s_per_token=host_s_per_token or 0.0,
+            prefill_backlog_tokens=lambda: self.backlog_tokens,
         )  # fmt: skip
         self.channel = grpc.insecure_channel(target)
         self.stub = engine_pb2_grpc.EngineNodeStub(self.channel)
@@ -150,8 +151,8 @@ class HintPusher:
         next_tick = next_read = 0.0
         while not self._stop.is_set():
             now = time.monotonic() - self.t0
-            if self._read_hits and now >= next_read:
-                self._read_host_hit()
+            if now >= next_read:
+                self._read_state()
                 next_read = now + HOST_HIT_READ_S
             hints: list[Any] = []
             try:
@@ -171,12 +172,13 @@ class HintPusher:
             if hints:
                 self._push(hints)
 
-    def _read_host_hit(self) -> None:
+    def _read_state(self) -> None:
         from hints import engine_pb2
 
         try:
             state = self.stub.GetCacheState(engine_pb2.WatchCacheStateRequest(), timeout=2)
             self.host_hit = min(1.0, max(0.0, float(state.host_hit_fraction)))
+            self.backlog_tokens = max(0, int(state.prefill_backlog_tokens))
         except Exception as e:  # keep the last figure: a missed read is not a failed benchmark
             self.codes[f"cache-state:{type(e).__name__}"] += 1
 
