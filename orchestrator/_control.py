@@ -61,7 +61,6 @@ class Pause:
     program_id: str
     tool: str
     started_s: float
-    context_tokens: int
     returned_s: float | None = None  # when its tools returned (the context waits for the next turn)
 
 
@@ -87,12 +86,14 @@ class ControlCore:
         tool_grace_s: float = math.inf,
         rewrite: Callable[[Any, list[HintModel]], list[HintModel]] | None = None,
         on_event: Callable[[Any], None] | None = None,
+        on_invalid: Callable[[str], None] | None = None,
         **policy_kw: Any,
     ) -> None:
         """``policy``: a registered name or spec (built here, with ``policy_kw`` and the learned prefill
         cost), or a policy object (left as configured: ``node_seen`` does not re-price it).
         ``rewrite(event, hints)``: a controller's say on the policy's hints (the replay's clairvoyant
-        ``bound`` row).  ``on_event``: told every event fed to the policy, ticks included."""
+        ``bound`` row).  ``on_event``: told every event fed to the policy, ticks included.  ``on_invalid``:
+        told the kind of each hint ``validate`` dropped (the live runtime counts them in a metric)."""
         self.prefill = PrefillEstimator(prefill_prior)
         self._auto = not hasattr(policy, "on_event")
         if isinstance(policy, PolicySpec):
@@ -104,7 +105,7 @@ class ControlCore:
         self.nodes = list(nodes)
         self.node_of = node_of
         self.tool_grace_s = float(tool_grace_s)
-        self.rewrite, self.on_event = rewrite, on_event
+        self.rewrite, self.on_event, self.on_invalid = rewrite, on_event, on_invalid
         self.pauses: dict[str, Pause] = {}  # session -> its open pause
         self._context: dict[str, tuple[str, int]] = {}  # session -> (program, its last context length)
         self._tools_running: dict[str, int] = {}  # session -> its tools running now (parallel tools)
@@ -193,7 +194,7 @@ class ControlCore:
         out = self.close_pause(session_id, now_s)
         ctx = self._context.get(session_id, (program_id, 0))[1] if context_tokens is None else context_tokens
         self._context[session_id] = (program_id, ctx)
-        self.pauses[session_id] = Pause(program_id, tool, now_s, ctx)
+        self.pauses[session_id] = Pause(program_id, tool, now_s)
         return out + self._feed(ToolStarted(program_id, session_id, tool, now_s, ctx, workflow))
 
     def tool_returned(
@@ -318,6 +319,3 @@ class ControlCore:
                     "logged as a warning): %s", getattr(self.policy, "name", "?"), kind, exc,
                 )  # fmt: skip
         return out
-
-    on_invalid: Callable[[str], None] | None = None
-    """Told the kind of each hint dropped by ``validate`` (the live runtime counts them in a metric)."""

@@ -187,9 +187,9 @@ class HintRuntime:
         # Temporal's side (retries, reaping, pin outcomes) and the I/O.
         self.core = ControlCore(
             policy, nodes=self.engines, node_of=self._node_of, prefill_prior=prefill_reload_s,
-            tool_grace_s=tool_grace_s, on_event=self._on_event, **(kw if isinstance(policy, str) else {}),
+            tool_grace_s=tool_grace_s, on_event=self._on_event, on_invalid=self._on_invalid,
+            **(kw if isinstance(policy, str) else {}),
         )  # fmt: skip
-        self.core.on_invalid = self._on_invalid
         self.policy: HintPolicy = self.core.policy
         self.prefill: PrefillEstimator = self.core.prefill
         self.router = Router(prefill_s, policy=routing)
