@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["HintPusher", "ProgramResult", "TurnResult", "run_program"]
 
-HOST_HIT_READ_S = 1.0
-"""How often the pusher reads the node's ``CacheState`` (its host-hit share and prefill backlog; a ``GetCacheState`` call)."""
+STATE_READ_S = 1.0
+"""How often the pusher reads the node's ``CacheState`` (its host-hit share and prefill backlog; a
+``GetCacheState`` call)."""
 
 
 @dataclass
@@ -81,7 +82,7 @@ class HintPusher:
         from orchestrator import ControlCore
 
         self.s_per_token = s_per_token
-        # what the node's host tier gives back (its CacheState, read every HOST_HIT_READ_S), as the live
+        # what the node's host tier gives back (its CacheState, read every STATE_READ_S), as the live
         # runtime reads it from the state stream
         self.host_hit = 1.0
         self.backlog_tokens = 0  # the node's prefill backlog (CacheState), read with its host hits
@@ -127,7 +128,6 @@ class HintPusher:
         from orchestrator import ProgramEnded, ToolEnded, ToolStarted, TurnEnded, TurnStarted
 
         core = self.core
-        before = core.num_policy_errors
         out: list[Any] = []
         if isinstance(ev, tuple) and ev[0] == "finished":
             out = core.session_finished(ev[1], ev[2])
@@ -143,8 +143,6 @@ class HintPusher:
             out = core.tool_returned(ev.program_id, ev.session_id, ev.tool, ev.now_s, ev.duration_s)
         elif isinstance(ev, ProgramEnded):
             out = core.program_ended(ev.program_id, ev.now_s, ev.num_turns)
-        if core.num_policy_errors > before:
-            self.codes["policy-errors"] += core.num_policy_errors - before
         return out
 
     def _run(self) -> None:
@@ -153,7 +151,7 @@ class HintPusher:
             now = time.monotonic() - self.t0
             if now >= next_read:
                 self._read_state()
-                next_read = now + HOST_HIT_READ_S
+                next_read = now + STATE_READ_S
             hints: list[Any] = []
             try:
                 ev = self.events.get(timeout=max(0.0, next_tick - now))
@@ -164,11 +162,10 @@ class HintPusher:
                 pass
             now = time.monotonic() - self.t0
             if now >= next_tick:
-                before = self.core.num_policy_errors
                 hints += self.core.tick(now)
-                if self.core.num_policy_errors > before:
-                    self.codes["policy-errors"] += self.core.num_policy_errors - before
                 next_tick = now + self.tick_s
+            if self.core.num_policy_errors:  # (counted by the core; reported with the RPC results)
+                self.codes["policy-errors"] = self.core.num_policy_errors
             if hints:
                 self._push(hints)
 
