@@ -23,12 +23,14 @@ import random
 import subprocess
 import sys
 from collections import deque
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from engine_adapter.vllm_backend import ASYNC_SCHEDULER_CLS, REPO
+
+if TYPE_CHECKING:
+    from tests.vllm_support import ServerSpec
 
 BS = 128  # vLLM's CPU block size
 NUM_BLOCKS = 32  # 31 usable: vLLM keeps one null block
@@ -255,39 +257,51 @@ def test_the_deadlock_rule_waits_for_steps_in_flight(report: dict[str, Any], mod
     assert r["steps_left"] == 0  # every step it scheduled came back
 
 
+def _async_spec() -> ServerSpec | None:
+    """The session's ``async`` server: the shared one's pool, ``--async-scheduling`` through the serve command."""
+    from engine_adapter.vllm_backend import find_vllm_python
+    from tests.vllm_support import ServerSpec, free_port, want_server
+
+    if find_vllm_python() is None:
+        return None
+    flags = [
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+        "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "1", "--async-scheduling",
+    ]  # fmt: skip
+    return want_server(ServerSpec(
+        "async", flags, build_kw={"hint_port": free_port(), "pin_budget": 0.6, "infer_hints": False}
+    ))  # fmt: skip
+
+
+SERVER = _async_spec() if __name__ != "__main__" else None  # the vLLM venv's run (below) needs none
+
+
 @pytest.mark.slow
 def test_a_real_server_started_with_async_scheduling(
-    vllm_python: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_python: str, tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
 ) -> None:
     """``--async-scheduling`` through the serve command: vLLM starts, our async class runs (synchronously:
     the CPU platform turns the mode off and the engine core says so), and pins hold under a flood."""
     from hints import Pin, Release
     from tests.test_vllm_backend import Node
-    from tests.vllm_support import free_port, tiny_model, vllm_server
+    from tests.vllm_support import session_server
 
-    model = tiny_model(tmp_path_factory, vllm_python)
-    hint_port = free_port()
-    flags = [
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-        "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "1", "--async-scheduling",
-    ]  # fmt: skip
-    with vllm_server(
-        vllm_python, model, tmp_path, extra_args=flags, hint_port=hint_port, pin_budget=0.6, infer_hints=False
-    ) as server:
-        assert server.argv[server.argv.index("--scheduler-cls") + 1] == ASYNC_SCHEDULER_CLS
-        node = Node(server.port, hint_port, str(model))
-        try:
-            a, b = _prompt(1, 5 * BS + 10), _prompt(2, 5 * BS + 10)
-            node.complete(a, "a", "pa")
-            node.complete(b, "b", "pb")
-            assert node.hints(Pin(session_id="a", ttl_s=60)).results[0].pinned_blocks == 5
-            node.flood(6, 8 * BS, seed=3)  # 48 blocks through a 31-block pool
-            assert node.cached(b + [7], "b", "pb") == 0
-            assert node.cached(a + [7], "a", "pa") == 5 * BS
-            node.hints(Release(program_id="pa"), Release(program_id="pb"))
-        finally:
-            node.channel.close()
-        log = server.log_path.read_text()
+    assert SERVER is not None
+    server = session_server("async", tmp_path_factory, pytestconfig)
+    assert server.argv[server.argv.index("--scheduler-cls") + 1] == ASYNC_SCHEDULER_CLS
+    node = Node(server.port, SERVER.build_kw["hint_port"], str(server.model))
+    try:
+        a, b = _prompt(1, 5 * BS + 10), _prompt(2, 5 * BS + 10)
+        node.complete(a, "a", "pa")
+        node.complete(b, "b", "pb")
+        assert node.hints(Pin(session_id="a", ttl_s=60)).results[0].pinned_blocks == 5
+        node.flood(6, 8 * BS, seed=3)  # 48 blocks through a 31-block pool
+        assert node.cached(b + [7], "b", "pb") == 0
+        assert node.cached(a + [7], "a", "pa") == 5 * BS
+        node.hints(Release(program_id="pa"), Release(program_id="pb"))
+    finally:
+        node.channel.close()
+    log = server.log_path.read_text()
     assert "HintflowAsyncScheduler on an engine that steps synchronously" in log
     assert "pins blocked all progress" not in log  # the deadlock rule never fired
 

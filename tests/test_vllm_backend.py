@@ -22,7 +22,7 @@ import random
 import threading
 import time
 import urllib.request
-from contextlib import ExitStack
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from hints import (
     engine_pb2,
     engine_pb2_grpc,
 )
-from tests.vllm_support import free_port, tiny_model, vllm_python_or_skip, vllm_server
+from tests.vllm_support import ServerSpec, free_port, session_server, vllm_python_or_skip, want_server
 
 VLLM_PYTHON = vllm_python_or_skip()
 
@@ -115,11 +115,42 @@ def _prompt(seed: int, tokens: int) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(tokens)]
 
 
+def _subscribe(spec: ServerSpec, endpoint: str) -> Callable[[], None]:
+    """Bind the KV-event subscriber before the server starts, so it misses nothing."""
+    from engine_adapter.vllm_backend import KvEventSubscriber
+
+    kv = spec.made["kv"] = KvEventSubscriber(endpoint, topic="kv", bind=True).start()
+    return kv.stop
+
+
+def _shared_spec() -> ServerSpec:
+    from engine_adapter.vllm_backend import kv_events_config
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    flags = [
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+        "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "1",
+        "--kv-events-config", kv_events_config(endpoint, topic="kv"),
+    ]  # fmt: skip
+    # build_vllm_command adds the rest: our scheduler, --scheduling-policy priority,
+    # --gpu-memory-utilization 0.1, --enable-prompt-tokens-details
+    return ServerSpec(
+        "shared", flags,
+        # strict program FCFS: the Priority test's hour-old program must not be clamped to the 3 s aging
+        env={"HINTFLOW_PRIORITY_AGING_S": "inf"},
+        build_kw={"hint_port": free_port(), "metrics_port": free_port(), "pin_budget": 0.6,
+                  "infer_hints": False},  # explicit hints only: unhinted sessions are vanilla controls here
+        prepare=lambda spec: _subscribe(spec, endpoint),
+    )  # fmt: skip
+
+
+SHARED = want_server(_shared_spec())
 _SHARED: dict[str, Node] = {}
 
 
 def shared_node(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config) -> Node:
-    """The session's one server, started on first use and stopped when pytest ends.
+    """The session's one server with explicit hints (:data:`SHARED`), started on first use beside the
+    session's other servers (``tests/vllm_support.py``) and stopped when pytest ends.
 
     Other test modules (``tests/test_vllm_router.py``) use it through this function: a session fixture
     imported into a second module would start a second server. Besides the hint service, the server
@@ -128,46 +159,12 @@ def shared_node(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config)
     """
     if "node" in _SHARED:
         return _SHARED["node"]
-    assert VLLM_PYTHON is not None
-    from engine_adapter.vllm_backend import KvEventSubscriber, kv_events_config
-
-    root = tmp_path_factory.mktemp("vllm")
-    model = tiny_model(tmp_path_factory, VLLM_PYTHON)
-    hint_port, metrics_port, kv_port = free_port(), free_port(), free_port()
-    kv_endpoint = f"tcp://127.0.0.1:{kv_port}"
-    # Closed last in, first out when pytest ends (or at once if the server does not start).
-    stack = ExitStack()
-    stack.callback(_SHARED.clear)
-    kv = KvEventSubscriber(kv_endpoint, topic="kv", bind=True).start()
-    stack.callback(kv.stop)
-    flags = [
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-        "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "1",
-        "--kv-events-config", kv_events_config(kv_endpoint, topic="kv"),
-    ]  # fmt: skip
-    # build_vllm_command adds the rest: our scheduler, --scheduling-policy priority,
-    # --gpu-memory-utilization 0.1, --enable-prompt-tokens-details
-    env = {
-        # strict program FCFS: the Priority test's hour-old program must not be clamped to the 3 s aging
-        "HINTFLOW_PRIORITY_AGING_S": "inf",
-    }
-    try:
-        server = stack.enter_context(
-            vllm_server(
-                VLLM_PYTHON, model, root, extra_args=flags, env=env, state_dir=root,
-                hint_port=hint_port, metrics_port=metrics_port, pin_budget=0.6,
-                infer_hints=False,  # explicit hints only: unhinted sessions are vanilla controls here
-            )
-        )  # fmt: skip
-    except BaseException:
-        stack.close()
-        raise
-    n = Node(server.port, hint_port, str(model))
-    n.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    n.kv = kv
+    server = session_server("shared", tmp_path_factory, config)
+    n = Node(server.port, SHARED.build_kw["hint_port"], str(server.model))
+    n.metrics_url = f"http://127.0.0.1:{SHARED.build_kw['metrics_port']}/metrics"
+    n.kv = SHARED.made["kv"]
     n.log_path = server.log_path
-    stack.callback(n.channel.close)
-    config.add_cleanup(stack.close)
+    config.add_cleanup(n.channel.close)
     _SHARED["node"] = n
     return n
 

@@ -2,7 +2,7 @@
 ``is_last_turn``) in ``extra_body.vllm_xargs`` gets its context pinned across a tool pause under a flood,
 released on its last turn, and an orchestrator's hint silences the inference for that session.
 
-One server for the module (32 blocks of 128 tokens, priority policy, our scheduler). The re-prefill cost
+One server (the session's ``infer`` one, ``tests/vllm_support.py``; 32 blocks of 128 tokens, priority policy, our scheduler). The re-prefill cost
 is fixed with ``HINTFLOW_INFER_RELOAD_S_PER_TOKEN=0.1`` (a profile, as Continuum's fit), so the cold-start
 rule (tools ~ Exp(1 s)) pins a 5-block context for ln(64) ~ 4 s; measured on this tiny model the reload
 is so cheap that Continuum's rule would only pin once queueing delays are seen. Anonymous requests (no
@@ -33,7 +33,7 @@ from hints import (
     engine_pb2,
     engine_pb2_grpc,
 )
-from tests.vllm_support import free_port, tiny_model, vllm_python_or_skip, vllm_server
+from tests.vllm_support import ServerSpec, free_port, session_server, vllm_python_or_skip, want_server
 
 VLLM_PYTHON = vllm_python_or_skip()
 
@@ -81,21 +81,19 @@ class Node:
         return any(s.session_id == session and s.pinned for s in self.state().sessions)
 
 
+SERVER = want_server(ServerSpec(
+    "infer", ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--num-gpu-blocks-override", "32"],
+    env={"HINTFLOW_INFER_RELOAD_S_PER_TOKEN": "0.1"},
+    build_kw={"hint_port": free_port(), "pin_budget": 0.6, "infer_hints": True},
+))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    assert VLLM_PYTHON is not None
-    root = tmp_path_factory.mktemp("vllm-infer")
-    hint_port = free_port()
-    flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-             "--num-gpu-blocks-override", "32"]  # fmt: skip
-    with vllm_server(
-        VLLM_PYTHON, tiny_model(tmp_path_factory, VLLM_PYTHON), root, extra_args=flags,
-        env={"HINTFLOW_INFER_RELOAD_S_PER_TOKEN": "0.1"}, state_dir=root / "state",
-        hint_port=hint_port, pin_budget=0.6, infer_hints=True,
-    ) as server:  # fmt: skip
-        n = Node(server.port, hint_port, str(server.model))
-        yield n
-        n.channel.close()
+def node(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[Node]:
+    server = session_server("infer", tmp_path_factory, pytestconfig)
+    n = Node(server.port, SERVER.build_kw["hint_port"], str(server.model))
+    yield n
+    n.channel.close()
 
 
 def test_program_id_and_tool_alone_keep_the_context_across_a_flood(node: Node) -> None:

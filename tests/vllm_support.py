@@ -1,7 +1,12 @@
 """What the tests against a real vLLM share: the Python that has vLLM (or a skip saying why), a free
 loopback port, a Prometheus scrape as {(sample name, labels without model_name): value}, the tiny model
-(built once per test session), and a server started with a module's own flags and env that is stopped,
-and checked gone, afterwards."""
+(built once per test session), a server started with a module's own flags and env that is stopped, and
+checked gone, afterwards, and the session's servers (:func:`want_server`, :func:`session_server`),
+started side by side.
+
+Why side by side: a tiny vLLM server spends its 40-50 s start importing vLLM on one core, idles at about
+2% of a core and holds about 1.9 GB, so on the 2-core CI machine starting the session's four servers
+together costs about half of starting them one after another."""
 
 from __future__ import annotations
 
@@ -14,9 +19,9 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +40,15 @@ from engine_adapter.vllm_backend import (
 
 __all__ = [
     "NO_VLLM",
+    "ServerSpec",
     "VllmServer",
     "free_port",
     "scrape_metrics",
+    "session_server",
     "tiny_model",
     "vllm_python_or_skip",
     "vllm_server",
+    "want_server",
 ]
 
 NO_VLLM = "no Python with vLLM: run scripts/install.sh vllm (creates .venv-vllm) or set HINTFLOW_VLLM_PYTHON"
@@ -110,6 +118,48 @@ class VllmServer:
     proc: subprocess.Popen[bytes]
 
 
+def _launch(
+    python: str,
+    model: Path,
+    workdir: Path,
+    extra_args: Sequence[str],
+    env: Mapping[str, str] | None,
+    state_dir: Path | None,
+    build_kw: Mapping[str, Any],
+) -> tuple[VllmServer, Path | None]:
+    """Start a server (not waiting for it); and the state folder to remove once it stops, if its own."""
+    port = free_port()
+    own_state = None
+    if state_dir is None:  # vLLM's IPC socket paths must stay under 107 bytes: not under pytest's tree
+        state_dir = own_state = Path(tempfile.mkdtemp(prefix="hfv-"))
+    argv, full_env = build_vllm_command(
+        model, port=port, python=python, state_dir=state_dir, extra_args=extra_args, **build_kw
+    )
+    full_env.update(env or {})
+    log_path = workdir / "server.log"
+    proc = start_vllm(argv, full_env, log_path, cwd=workdir)
+    return VllmServer(f"http://127.0.0.1:{port}", port, model, argv, full_env, log_path, proc), own_state
+
+
+def _shut(server: VllmServer, own_state: Path | None, ok: bool) -> None:
+    """Stop the server and check every process it started is gone: ``RuntimeError`` if one was left
+    (killed) and ``ok``; otherwise (a failure is already being reported) the leftover is only printed."""
+    # Snapshot before stopping: once the API server is gone, its engine core is no longer its child.
+    tree = _process_tree(server.proc.pid)
+    stop_vllm(server.proc)
+    left = _wait_gone(tree, timeout_s=30.0)
+    if own_state is not None:
+        shutil.rmtree(own_state, ignore_errors=True)
+    if left:
+        for pid, _ in left:  # ours: started under this server, same start time as when listed
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        msg = f"vLLM left {len(left)} process(es) behind after stopping (killed): {[p for p, _ in left]}"
+        if ok:
+            raise RuntimeError(msg)
+        print(msg, file=sys.stderr)
+
+
 @contextmanager
 def vllm_server(
     python: str,
@@ -130,37 +180,86 @@ def vllm_server(
     ``metrics_port``, ``pin_budget``, ``infer_hints``, ...), ``extra_args`` passed on to vLLM, and ``env``
     added to its environment. The server runs in ``workdir`` and logs to ``workdir/server.log``.
     """
-    port = free_port()
-    own_state = state_dir is None
-    if state_dir is None:  # vLLM's IPC socket paths must stay under 107 bytes: not under pytest's tree
-        state_dir = Path(tempfile.mkdtemp(prefix="hfv-"))
-    argv, full_env = build_vllm_command(
-        model, port=port, python=python, state_dir=state_dir, extra_args=extra_args, **build_kw
-    )
-    full_env.update(env or {})
-    log_path = workdir / "server.log"
-    proc = start_vllm(argv, full_env, log_path, cwd=workdir)
-    server = VllmServer(f"http://127.0.0.1:{port}", port, model, argv, full_env, log_path, proc)
+    server, own_state = _launch(python, model, workdir, extra_args, env, state_dir, build_kw)
     ok = False
     try:
-        wait_healthy(proc, server.base_url, log_path, timeout_s=health_timeout_s)
+        wait_healthy(server.proc, server.base_url, server.log_path, timeout_s=health_timeout_s)
         yield server
         ok = True
     finally:
-        # Snapshot before stopping: once the API server is gone, its engine core is no longer its child.
-        tree = _process_tree(proc.pid)
-        stop_vllm(proc)
-        left = _wait_gone(tree, timeout_s=30.0)
-        if left:
-            for pid, _ in left:  # ours: started under this server, same start time as when listed
-                with suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            msg = f"vLLM left {len(left)} process(es) behind after stopping (killed): {[p for p, _ in left]}"
-            if ok:
-                raise RuntimeError(msg)
-            print(msg, file=sys.stderr)  # the body's own error is the one to report
-        if own_state:
-            shutil.rmtree(state_dir, ignore_errors=True)
+        _shut(server, own_state, ok)  # on a failure the body's own error is the one to report
+
+
+# ---- the session's servers, started side by side ---------------------------------------------------------
+
+
+@dataclass
+class ServerSpec:
+    """One session server: vLLM flags, environment, :func:`build_vllm_command` keywords (ports chosen when
+    the spec is made, so a test can address them), and ``prepare``, run just before the server starts
+    (what must be listening first, such as a KV-event subscriber; it may keep it in ``made``), returning
+    what undoes it."""
+
+    name: str
+    flags: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    build_kw: Mapping[str, Any] = field(default_factory=dict)
+    prepare: Callable[[ServerSpec], Callable[[], None]] | None = None
+    made: dict[str, Any] = field(default_factory=dict)
+
+
+_WANTED: dict[str, ServerSpec] = {}
+_STARTED: dict[str, VllmServer | BaseException] = {}
+
+
+def want_server(spec: ServerSpec) -> ServerSpec:
+    """Register a session server when a test module is imported (pytest imports every module before it
+    runs a test, so the first :func:`session_server` call knows them all). A name registered twice (a
+    module imported under two names) keeps its first spec, which is returned: use the returned one."""
+    return _WANTED.setdefault(spec.name, spec)
+
+
+def session_server(name: str, tmp_path_factory: pytest.TempPathFactory, config: pytest.Config) -> VllmServer:
+    """The session's server ``name``. The first call starts every registered server not started yet,
+    side by side, and waits for each; each is stopped (and checked gone) when pytest ends. A server that
+    did not start raises its error here, for the tests that use it only."""
+    if name not in _WANTED:
+        raise KeyError(f"no session server {name!r} was registered (want_server at the module's import)")
+    if name not in _STARTED:
+        _start_wanted(tmp_path_factory, config)
+    got = _STARTED[name]
+    if isinstance(got, BaseException):
+        raise RuntimeError(f"the session's vLLM server {name!r} did not start") from got
+    return got
+
+
+def _start_wanted(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config) -> None:
+    python = vllm_python_or_skip()
+    model = tiny_model(tmp_path_factory, python)
+    launched: list[tuple[str, VllmServer]] = []
+    for name, spec in _WANTED.items():
+        if name in _STARTED:
+            continue
+        stack = ExitStack()  # closed when pytest ends, last in first out: the server, then what prepare made
+        config.add_cleanup(stack.close)
+        try:
+            if spec.prepare is not None:
+                stack.callback(spec.prepare(spec))
+            workdir = tmp_path_factory.mktemp(f"vllm-{name}")
+            server, own_state = _launch(python, model, workdir, spec.flags, spec.env, None, spec.build_kw)
+        except Exception as e:
+            _STARTED[name] = e
+            continue
+        stack.callback(_shut, server, own_state, True)
+        launched.append((name, server))
+    # each start imports vLLM on one core: several at once take about their sum over the cores
+    timeout_s = 150.0 * max(1.0, len(launched) / max(1, os.cpu_count() or 1))
+    for name, server in launched:
+        try:
+            wait_healthy(server.proc, server.base_url, server.log_path, timeout_s=timeout_s)
+            _STARTED[name] = server
+        except Exception as e:
+            _STARTED[name] = e
 
 
 # ---- processes, through Linux's /proc (elsewhere the check is skipped) ---------------------------------
