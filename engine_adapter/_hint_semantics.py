@@ -89,7 +89,7 @@ def apply_hint(t: HintTarget[S], i: int, h: HintModel | HintDecodeError) -> Hint
             msg = "pin applies when the running turn ends"
         return HintResult(
             index=i, message=msg, clamped=g.clamped, pinned_blocks=g.pinned_blocks,
-            requested_blocks=g.requested_blocks,
+            requested_blocks=g.requested_blocks, deferred=g.deferred,
         )  # fmt: skip
     if isinstance(h, Priority):
         # The orchestrator sends a turn's Priority as it routes the turn, so it may come just before the

@@ -202,11 +202,19 @@ class HintResult(_Frozen):
     clamped: bool = False
     pinned_blocks: Count32 = 0
     requested_blocks: Count32 = 0
+    deferred: bool = False
+    """A pin on a session whose turn is running: it holds the turn's blocks once the turn ends."""
 
     @property
     def ok(self) -> bool:
         """True when the node applied the hint (possibly clamped)."""
         return self.code == "OK"
+
+    @property
+    def holds(self) -> bool:
+        """A pin that holds blocks now, or will once its session's running turn ends; an OK pin on a
+        session that holds nothing (its context already gone) holds nothing."""
+        return self.ok and (self.pinned_blocks > 0 or self.deferred)
 
 
 class HintAck(_Frozen):
@@ -261,6 +269,9 @@ class CacheState(_Frozen):
     # this node process's life (a random nonzero id drawn at start; 0: a node that does not say): a new
     # epoch is a restart, an empty node
     node_epoch: Annotated[int, Field(ge=0, le=_UINT64_MAX)] = 0
+    # what a re-prefill costs on this node, per token, as it measured from its own prefill-sized steps
+    # (predictors.PrefillRate) or was configured; 0: not known yet. Pins are priced by it
+    prefill_s_per_token: Seconds = 0.0
 
     @property
     def kv_utilization(self) -> float:

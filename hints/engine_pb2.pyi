@@ -371,6 +371,7 @@ class HintResult(_message.Message):
     CLAMPED_FIELD_NUMBER: _builtins.int
     PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     REQUESTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    DEFERRED_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """position of the hint in its batch"""
     code: _builtins.str
@@ -382,6 +383,8 @@ class HintResult(_message.Message):
     """blocks the pin actually holds"""
     requested_blocks: _builtins.int
     """blocks the pin asked for"""
+    deferred: _builtins.bool
+    """a pin on a session whose turn runs: it takes the turn's blocks when"""
     def __init__(
         self,
         *,
@@ -391,10 +394,11 @@ class HintResult(_message.Message):
         clamped: _builtins.bool = ...,
         pinned_blocks: _builtins.int = ...,
         requested_blocks: _builtins.int = ...,
+        deferred: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clamped", b"clamped", "code", b"code", "index", b"index", "message", b"message", "pinned_blocks", b"pinned_blocks", "requested_blocks", b"requested_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clamped", b"clamped", "code", b"code", "deferred", b"deferred", "index", b"index", "message", b"message", "pinned_blocks", b"pinned_blocks", "requested_blocks", b"requested_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -506,6 +510,7 @@ class CacheState(_message.Message):
     HOST_RELOAD_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     HOST_HIT_FRACTION_FIELD_NUMBER: _builtins.int
     NODE_EPOCH_FIELD_NUMBER: _builtins.int
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model_name: _builtins.str
     block_size: _builtins.int
@@ -532,6 +537,11 @@ class CacheState(_message.Message):
     """this node process's life: a random nonzero id drawn at start, so a restarted node (empty) is told
     apart from the one before it, and hints meant for the earlier life are refused (HintBatch.node_epoch)
     """
+    prefill_s_per_token: _builtins.float
+    """what a re-prefill costs on this node, seconds per token, as it measured from its own prefill-sized
+    steps (predictors.PrefillRate) or was configured; 0: not known yet. The orchestrator prices pins by it
+    until it has measured the cost from the nodes' answers itself
+    """
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionResidency]: ...
     def __init__(
@@ -554,10 +564,11 @@ class CacheState(_message.Message):
         host_reload_s_per_token: _builtins.float = ...,
         host_hit_fraction: _builtins.float = ...,
         node_epoch: _builtins.int = ...,
+        prefill_s_per_token: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_fraction", b"host_hit_fraction", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_epoch", b"node_epoch", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_fraction", b"host_hit_fraction", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_epoch", b"node_epoch", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "prefill_s_per_token", b"prefill_s_per_token", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

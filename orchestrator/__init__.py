@@ -48,6 +48,7 @@ from orchestrator._router import (
     default_prefill_s,
     get_routing_policy,
 )
+from orchestrator._thunder import SessionLoad, ThunderAgent, ThunderPlan, thunder_pause_hints
 from orchestrator._tracker import ProgramTracker, role_of
 from predictors import (
     ContinuumTTL,
@@ -93,7 +94,10 @@ __all__ = [
     "RouteRequest",
     "Router",
     "RoutingPolicy",
+    "SessionLoad",
+    "ThunderAgent",
     "ThunderAgentPolicy",
+    "ThunderPlan",
     "Tick",
     "ToolEnded",
     "ToolStarted",
@@ -114,4 +118,5 @@ __all__ = [
     "shared_prefix_steps",
     "steps_to_execution",
     "take_context_along",
+    "thunder_pause_hints",
 ]

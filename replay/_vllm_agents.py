@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -72,25 +73,32 @@ class HintPusher:
 
     def __init__(self, target: str, policy_name: str = "hintflow", tick_s: float = 0.05,
                  s_per_token: float = 1.25e-4, host_s_per_token: float | None = None,
-                 pool_tokens: float | None = None) -> None:
-        """``s_per_token``: the node's re-prefill cost (the client cannot see queue waits, so this prior is
-        what the core prices with).  ``host_s_per_token``: the node has a host KV tier, whose copy back
-        costs this per token.  ``pool_tokens``: the node's device pool."""
+                 pool_tokens: float | None = None, thunder_period_s: float | None = None) -> None:
+        """``s_per_token``: the node's re-prefill cost until the node reports its own measure
+        (``CacheState.prefill_s_per_token``; the client cannot see queue waits, so it cannot measure the
+        cost itself).  ``host_s_per_token``: the node has a host KV tier, whose copy back costs this per
+        token.  ``pool_tokens``: the node's device pool."""
         import grpc
 
         from hints import engine_pb2_grpc
-        from orchestrator import ControlCore
+        from orchestrator import ControlCore, ThunderAgent
 
         self.s_per_token = s_per_token
+        self.target, self.pool_tokens = target, int(pool_tokens or 0)
+        self.thunder = ThunderAgent(thunder_period_s) if thunder_period_s else None
+        self._held: dict[str, threading.Event] = {}  # sessions whose next turn ThunderAgent holds
+        self._running: dict[str, int] = {}  # session -> the prompt of its turn in flight
+        self.node_idle = False  # the node ran and queued nothing at its last CacheState read
         # what the node's host tier gives back (its CacheState, read every STATE_READ_S), as the live
         # runtime reads it from the state stream
         self.host_hit = 1.0
         self.backlog_tokens = 0  # the node's prefill backlog (CacheState), read with its host hits
+        self.node_s_per_token = 0.0  # and its measure of a re-prefill (0: not known yet)
         self.core = ControlCore(policy_name, nodes=[target], prefill_prior=lambda n: s_per_token * n)
         self.core.node_seen(
             target, host_tier=host_s_per_token is not None, pool_tokens=pool_tokens or 0.0,
             host_hit_fraction=lambda: self.host_hit, reload_s_per_token=host_s_per_token or 0.0,
-            prefill_backlog_tokens=lambda: self.backlog_tokens,
+            prefill_backlog_tokens=lambda: self.backlog_tokens, prefill_s_per_token=lambda: self.node_s_per_token,
         )  # fmt: skip
         self.channel = grpc.insecure_channel(target)
         self.stub = engine_pb2_grpc.EngineNodeStub(self.channel)
@@ -116,12 +124,26 @@ class HintPusher:
     def session_finished(self, session_id: str, now_s: float) -> None:
         self.events.put(("finished", session_id, now_s))
 
+    def wait_turn(self, session_id: str, context_tokens: int, timeout_s: float) -> float:
+        """Before a session's next turn (not its first): the seconds it was held, 0 unless ThunderAgent
+        paused the session, in which case it waits here for the controller's restore."""
+        if self.thunder is None:
+            return 0.0
+        t = time.monotonic()
+        ready = threading.Event()
+        self.events.put(("ready", session_id, context_tokens, ready))
+        if not ready.wait(timeout_s):
+            raise TimeoutError(f"ThunderAgent held session {session_id!r} for over {timeout_s:.0f} s")
+        return time.monotonic() - t
+
     def turn_done(self, computed_tokens: int, ttft_s: float, recomputed_tokens: int) -> None:
         """A turn's first token came ``ttft_s`` after it was sent, having prefilled ``computed_tokens`` of
         which ``recomputed_tokens`` an earlier turn had computed (its context was gone).  Its queue wait is
-        the time to first token less the prefill at ``s_per_token`` (the client sees no more)."""
-        prefill_s = self.s_per_token * computed_tokens
-        self.events.put(("done", computed_tokens, prefill_s, max(0.0, ttft_s - prefill_s), recomputed_tokens))
+        the time to first token less the prefill at the node's rate (the client sees no more).  It gives
+        the core no prefill sample: that would only echo the rate back, and the node's own measure is
+        what the core prices re-prefills by here."""
+        prefill_s = (self.node_s_per_token or self.s_per_token) * computed_tokens
+        self.events.put(("done", 0, prefill_s, max(0.0, ttft_s - prefill_s), recomputed_tokens))
 
     def _on(self, ev: Any) -> list[Any]:
         """The hints for one queued item (the core counts and logs a policy that raises, and goes on)."""
@@ -129,13 +151,23 @@ class HintPusher:
 
         core = self.core
         out: list[Any] = []
-        if isinstance(ev, tuple) and ev[0] == "finished":
+        if isinstance(ev, tuple) and ev[0] == "ready":  # (only with ThunderAgent's controller)
+            assert self.thunder is not None
+            if self.thunder.hold(ev[1], ev[2]):
+                self._held[ev[1]] = ev[3]
+            else:
+                ev[3].set()
+        elif isinstance(ev, tuple) and ev[0] == "finished":
+            if self.thunder is not None:
+                self.thunder.forget(ev[1])
             out = core.session_finished(ev[1], ev[2])
         elif isinstance(ev, tuple) and ev[0] == "done":
             core.turn_done(*ev[1:])
         elif isinstance(ev, TurnStarted):
+            self._running[ev.session_id] = ev.context_tokens
             out = core.turn_started(ev.program_id, ev.session_id, ev.now_s, ev.context_tokens, ev.workflow)
         elif isinstance(ev, TurnEnded):
+            self._running.pop(ev.session_id, None)
             out = core.turn_ended(ev.program_id, ev.session_id, ev.now_s, ev.context_tokens)
         elif isinstance(ev, ToolStarted):
             out = core.tool_started(ev.program_id, ev.session_id, ev.tool, ev.now_s, ev.context_tokens, ev.workflow)
@@ -145,8 +177,27 @@ class HintPusher:
             out = core.program_ended(ev.program_id, ev.now_s, ev.num_turns)
         return out
 
+    def _control(self, now: float) -> list[Any]:
+        """One ThunderAgent period over the node's sessions: the pause hints; restored turns are let go."""
+        from orchestrator import SessionLoad, thunder_pause_hints
+
+        assert self.thunder is not None
+        loads = [SessionLoad(sid, self.target, tokens) for sid, tokens in self._running.items()]
+        loads += [
+            SessionLoad(sid, self.target, self.core.context_tokens(sid), now - p.started_s)
+            for sid, p in self.core.pauses.items()
+            if p.returned_s is None and sid not in self._running
+        ]
+        plan = self.thunder.control(loads, {self.target: self.pool_tokens}, [self.target] if self.node_idle else [])
+        for sid, _node in plan.restore:
+            held = self._held.pop(sid, None)
+            if held is not None:
+                held.set()
+        return thunder_pause_hints([sid for _node, sid in plan.pause])
+
     def _run(self) -> None:
         next_tick = next_read = 0.0
+        next_control = self.thunder.period_s if self.thunder is not None else math.inf
         while not self._stop.is_set():
             now = time.monotonic() - self.t0
             if now >= next_read:
@@ -164,6 +215,9 @@ class HintPusher:
             if now >= next_tick:
                 hints += self.core.tick(now)
                 next_tick = now + self.tick_s
+            if now >= next_control:
+                hints += self._control(now)
+                next_control = now + self.thunder.period_s if self.thunder is not None else math.inf
             if self.core.num_policy_errors:  # (counted by the core; reported with the RPC results)
                 self.codes["policy-errors"] = self.core.num_policy_errors
             if hints:
@@ -176,6 +230,9 @@ class HintPusher:
             state = self.stub.GetCacheState(engine_pb2.WatchCacheStateRequest(), timeout=2)
             self.host_hit = min(1.0, max(0.0, float(state.host_hit_fraction)))
             self.backlog_tokens = max(0, int(state.prefill_backlog_tokens))
+            self.node_idle = state.num_running == 0 and state.num_waiting == 0
+            rate = float(state.prefill_s_per_token)
+            self.node_s_per_token = rate if math.isfinite(rate) and rate > 0.0 else self.node_s_per_token
         except Exception as e:  # keep the last figure: a missed read is not a failed benchmark
             self.codes[f"cache-state:{type(e).__name__}"] += 1
 
@@ -256,10 +313,12 @@ def _run_session(
             "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "session_id": sid, "vllm_xargs": xargs,
         }  # fmt: skip
-        sent = now()
+        sent = now()  # the turn is ready: time held by ThunderAgent counts in its time to first token
+        held_s = pusher.wait_turn(sid, len(context), timeout_s) if pusher is not None and k > 0 else 0.0
         if pusher is not None:
-            pusher.event(TurnStarted(pid, sid, sent, len(context)))
+            pusher.event(TurnStarted(pid, sid, now(), len(context)))
         ttft, usage = _stream_completion(base, body, timeout_s)
+        ttft += held_s
         end = now()
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         record(TurnResult(sent, ttft, end - sent, int(usage.get("prompt_tokens", 0)), cached, already, sid))

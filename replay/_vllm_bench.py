@@ -11,7 +11,8 @@ Modes: ``vanilla`` (no ``--scheduler-cls``, FCFS), ``hintflow-infer`` (our sched
 ``program_id`` alone, issue 5's plain OpenAI client), ``hintflow-orchestrator`` (our scheduler; the ``hintflow``
 policy fed with the client's events pushes hints over gRPC; the client adds only ``program_id``), and
 ``continuum``, ``kvflow``, ``thunderagent`` (the same node and hint path, that baseline policy pushing; KVFlow
-without program-level order; ThunderAgent's pause/restore controller is the replay's only). Each
+without program-level order; ThunderAgent with its pause/restore controller, ``orchestrator.ThunderAgent``,
+holding paused sessions' requests in the client). Each
 mode with ``+host`` (``vanilla+host``, ...) adds hintflow's host KV tier (``_host_connector``) of
 ``--host-capacity-tokens`` (default: every program's longest context, i.e. host memory for all of them).
 
@@ -60,6 +61,9 @@ PUSHED_POLICY = {"hintflow-orchestrator": "hintflow", "continuum": "continuum", 
                  "thunderagent": "thunderagent"}
 """Modes in which an orchestrator policy pushes hints over gRPC to hintflow's vLLM node (the same hint path
 for ours and the baselines; the node infers nothing for a session that gets hints)."""
+THUNDER_PERIOD_S = 5.0
+"""ThunderAgent's Δt: the ``thunderagent`` mode runs its pause/restore controller in the pusher, as the
+replay's ``thunderagent`` row does."""
 MODE_ENV = {"kvflow": {"HINTFLOW_PRIORITY_AGING_S": "0"}}
 """The node's settings a mode implies: KVFlow orders requests FCFS (no program-level priority; with no head
 start for older programs the node's priority order is arrival order)."""
@@ -156,7 +160,8 @@ def run_mode(
         if base_mode in PUSHED_POLICY:
             pusher = HintPusher(f"127.0.0.1:{hint_port}", PUSHED_POLICY[base_mode],
                                 host_s_per_token=HOST_RELOAD_S_PER_TOKEN if plus else None,
-                                pool_tokens=float(num_blocks * BLOCK))
+                                pool_tokens=float(num_blocks * BLOCK),
+                                thunder_period_s=THUNDER_PERIOD_S if base_mode == "thunderagent" else None)
         client_mode = "infer" if base_mode == "hintflow-infer" else "plain"
         t0 = time.monotonic() + 0.5
         if pusher is not None:

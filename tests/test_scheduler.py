@@ -552,3 +552,25 @@ def test_a_first_turn_let_through_but_kept_waiting_by_memory_is_counted_once() -
     stats = core.scheduler.admit_stats
     assert stats["fit"] == 2 and stats["held"] == 0 and stats["idle"] == 0  # pa, then pb: once each
     core.check_invariants()
+
+
+def test_a_pin_says_whether_it_holds_blocks_now_later_or_not_at_all() -> None:
+    """The acknowledgement tells a placed pin from one that holds nothing: the orchestrator counts only
+    the first as a pin placed (an OK pin on a context already evicted kept nothing)."""
+    core = make_core(blocks=24)
+    rng = random.Random(6)
+    core.submit(rand_tokens(rng, 100), 5, session_id="running", program_id="a")
+    core.step()  # its prefill ran: the turn is decoding, not parked
+    [while_running] = core.apply_hints([Pin(session_id="running", ttl_s=60.0)])
+    assert while_running.ok and while_running.deferred and while_running.pinned_blocks == 0 and while_running.holds
+    core.run_until_idle()
+    [parked] = core.apply_hints([Pin(session_id="running", ttl_s=60.0)])
+    assert parked.pinned_blocks > 0 and not parked.deferred and parked.holds
+    core.submit(rand_tokens(rng, 100), 1, session_id="gone", program_id="b")
+    core.run_until_idle()
+    for i in range(4):  # the unpinned context leaves the pool
+        core.submit(rand_tokens(rng, 150), 1, session_id=f"load{i}")
+        core.run_until_idle()
+    [empty] = core.apply_hints([Pin(session_id="gone", ttl_s=60.0)])
+    assert empty.ok and empty.pinned_blocks == 0 and not empty.deferred and not empty.holds
+    core.check_invariants()

@@ -122,7 +122,7 @@ class ProgramStats:
 
     num_turns: int = 0
     num_tools: int = 0
-    pins_placed: int = 0  # pins with ttl > 0 the node accepted
+    pins_placed: int = 0  # pins with ttl > 0 the node placed on blocks (or on a running turn's, deferred)
     pins_expired: int = 0  # pins whose lease ran out before the session's next turn
     pins_held: int = 0  # pins still live when the session came back
     status: str = "running"  # "completed" | "failed" | "cancelled" | "reaped" (no event for reap_after_s)
@@ -314,7 +314,8 @@ class HintRuntime:
                     if publisher is not None:  # a restarted node: hints queued for its earlier life go
                         publisher.note_node_epoch(state.node_epoch)
                     self.note_node_state(addr, state.host_total_blocks > 0, state.total_blocks * state.block_size,
-                                         state.host_hit_fraction, state.prefill_backlog_tokens)
+                                         state.host_hit_fraction, state.prefill_backlog_tokens,
+                                         state.prefill_s_per_token)
                     backoff_s = 0.1
             except asyncio.CancelledError:
                 raise
@@ -329,15 +330,16 @@ class HintRuntime:
 
     def note_node_state(
         self, addr: str, has_host_tier: bool, pool_tokens: float, host_hit_fraction: float = 1.0,
-        prefill_backlog_tokens: int = 0,
+        prefill_backlog_tokens: int = 0, prefill_s_per_token: float = 0.0,
     ) -> None:
         """What ``addr``'s cache state says about pricing pins (``ControlCore.node_seen``): its host tier,
-        its pool and what its tier gives back; its copy-back cost is the router's measure, read at each
-        decision, so a torch node's measured cost, once it has copied anything, takes over the default."""
+        its pool, what its tier gives back and its own measure of a re-prefill; its copy-back cost is the
+        router's measure, read at each decision, so a torch node's measured cost, once it has copied
+        anything, takes over the default."""
         self.core.node_seen(
             addr, host_tier=has_host_tier, pool_tokens=float(pool_tokens), host_hit_fraction=host_hit_fraction,
             reload_s_per_token=functools.partial(self.router.host_reload_s, addr),
-            prefill_backlog_tokens=prefill_backlog_tokens,
+            prefill_backlog_tokens=prefill_backlog_tokens, prefill_s_per_token=prefill_s_per_token,
         )  # fmt: skip
 
     async def _tick_loop(self) -> None:
@@ -643,7 +645,7 @@ class HintRuntime:
                 continue
             if h.ttl_s == 0.0:
                 s.pin_deadline_s, s.pin_node = None, None
-            elif r.ok:
+            elif r.holds:  # (an OK pin on a context already gone holds nothing: not counted)
                 self._program(s.program_id).pins_placed += 1
                 s.pin_deadline_s = sent_deadline
                 s.pin_node = (node, ack.node_epoch) if node is not None else None
