@@ -196,7 +196,7 @@ def make_runtime(
     what the policy's system does: session affinity for ``vllm-default`` (vLLM's production stack),
     hintflow's cost routing for the others.  ``migrate`` (moving a routed session's context along, see
     ``workflows/_context_moves.py``) defaults to on for ``hintflow``, as in the replay."""
-    from orchestrator import POLICIES, parse_policy_spec
+    from orchestrator import POLICIES, THUNDER_PERIOD_S, parse_policy_spec
     from workflows import HintRuntime
 
     name = parse_policy_spec(policy, POLICIES).name
@@ -204,14 +204,16 @@ def make_runtime(
         routing = "session" if name == "vllm-default" else "hintflow"
     if migrate is None:
         migrate = name == "hintflow"
+    # ThunderAgent is its pause/restore controller as much as its hints, as in the replay and the harness
+    thunder_period_s = THUNDER_PERIOD_S if name == "thunderagent" else None
     if cost_model is None:
-        return HintRuntime(engines, policy, routing=routing, migrate=migrate)
+        return HintRuntime(engines, policy, routing=routing, migrate=migrate, thunder_period_s=thunder_period_s)
     from engine_adapter import load_cost_model
 
     cm = load_cost_model(cost_model)
     return HintRuntime(
         engines, policy, routing=routing, prefill_s=lambda n, p: cm.prefill_time(n, p),
-        prefill_reload_s=cm.prefill_reload_s, migrate=migrate,
+        prefill_reload_s=cm.prefill_reload_s, migrate=migrate, thunder_period_s=thunder_period_s,
     )
 
 

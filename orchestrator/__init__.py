@@ -48,7 +48,13 @@ from orchestrator._router import (
     default_prefill_s,
     get_routing_policy,
 )
-from orchestrator._thunder import SessionLoad, ThunderAgent, ThunderPlan, thunder_pause_hints
+from orchestrator._thunder import (
+    THUNDER_PERIOD_S,
+    SessionLoad,
+    ThunderAgent,
+    ThunderPlan,
+    thunder_pause_hints,
+)
 from orchestrator._tracker import ProgramTracker, role_of
 from predictors import (
     ContinuumTTL,
@@ -65,6 +71,7 @@ __all__ = [
     "POLICIES",
     "POLICY_OPTIONS",
     "ROUTING_POLICIES",
+    "THUNDER_PERIOD_S",
     "ContinuumPolicy",
     "ContinuumTTL",
     "ControlCore",

@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 
 from hints import MAX_HORIZON_S, EvictionOrder, HintModel, NextUse, Pin
 
-__all__ = ["SessionLoad", "ThunderAgent", "ThunderPlan", "thunder_pause_hints"]
+__all__ = ["THUNDER_PERIOD_S", "SessionLoad", "ThunderAgent", "ThunderPlan", "thunder_pause_hints"]
+
+THUNDER_PERIOD_S = 5.0
+"""ThunderAgent's Δt: how often the controller weighs the nodes (the paper's setting)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class ThunderPlan:
 class ThunderAgent:
     """The paused sessions and the global queue of their held turns; ``control`` runs every ``period_s``."""
 
-    def __init__(self, period_s: float = 5.0) -> None:
+    def __init__(self, period_s: float = THUNDER_PERIOD_S) -> None:
         self.period_s = period_s
         self.paused: set[str] = set()
         self.queue: list[tuple[str, int]] = []  # held turns: (session, its context tokens), in arrival order
@@ -68,8 +71,9 @@ class ThunderAgent:
         return True
 
     def forget(self, session_id: str) -> None:
-        """The session's program ended."""
+        """The session's program ended (or its held turn was given up): not paused, not waiting."""
         self.paused.discard(session_id)
+        self.queue = [q for q in self.queue if q[0] != session_id]
 
     def control(
         self, sessions: Iterable[SessionLoad], capacity: Mapping[str, int], idle: Sequence[str]

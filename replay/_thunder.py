@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from engine_adapter import SessionState
 from hints import Pin
-from orchestrator import SessionLoad, ThunderAgent
+from orchestrator import THUNDER_PERIOD_S, SessionLoad, ThunderAgent
 
 if TYPE_CHECKING:
     from replay._runs import ProgramRun, SessionRun
@@ -28,7 +28,7 @@ __all__ = ["ThunderController"]
 class ThunderController:
     """Holds paused sessions' turns in the controller's global queue; ``control`` runs every ``period_s``."""
 
-    def __init__(self, sim: Simulation, period_s: float = 5.0) -> None:
+    def __init__(self, sim: Simulation, period_s: float = THUNDER_PERIOD_S) -> None:
         self.sim = sim
         self.agent = ThunderAgent(period_s)
         self.period_s = period_s

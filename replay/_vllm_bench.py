@@ -43,6 +43,7 @@ from engine_adapter.vllm_backend import (
     stop_vllm,
     wait_healthy,
 )
+from orchestrator import THUNDER_PERIOD_S
 from replay._vllm_agents import HintPusher, ProgramResult, run_program
 from replay._vllm_workload import (
     BLOCK,
@@ -61,9 +62,6 @@ PUSHED_POLICY = {"hintflow-orchestrator": "hintflow", "continuum": "continuum", 
                  "thunderagent": "thunderagent"}
 """Modes in which an orchestrator policy pushes hints over gRPC to hintflow's vLLM node (the same hint path
 for ours and the baselines; the node infers nothing for a session that gets hints)."""
-THUNDER_PERIOD_S = 5.0
-"""ThunderAgent's Δt: the ``thunderagent`` mode runs its pause/restore controller in the pusher, as the
-replay's ``thunderagent`` row does."""
 MODE_ENV = {"kvflow": {"HINTFLOW_PRIORITY_AGING_S": "0"}}
 """The node's settings a mode implies: KVFlow orders requests FCFS (no program-level priority; with no head
 start for older programs the node's priority order is arrival order)."""

@@ -57,6 +57,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from hints import (
+    CacheState,
     EngineClient,
     EngineSpec,
     GenerateResult,
@@ -82,6 +83,7 @@ from orchestrator import (
 from workflows._api import LLMInput, LLMResult, decode_text
 from workflows._context_moves import ContextMover
 from workflows._publisher import HintPublisher, StreamHealth, describe_error, node_client
+from workflows._thunder_live import LiveThunder
 
 __all__ = ["EngineUnavailable", "HintRuntime", "InvalidPrompt", "ProgramStats", "turn_client"]
 
@@ -163,11 +165,13 @@ class HintRuntime:
         reap_after_s: float = 600.0,
         reap_paused_after_s: float = 86400.0,
         migrate: bool = False,
+        thunder_period_s: float | None = None,
     ) -> None:
         """``tool_grace_s``: how long after a tool's activity returned the session still counts as in
         that pause when no next turn comes (the next turn may run on another worker, or the program was
         terminated).  ``reap_after_s``: a program with no event, and no activity running on this worker,
-        for this long is taken for gone (see the module doc)."""
+        for this long is taken for gone (see the module doc).  ``thunder_period_s``: run ThunderAgent's
+        pause/restore controller at this period (``workflows/_thunder_live.py``)."""
         if not engines:
             raise ValueError("HintRuntime needs at least one engine address (host:port)")
         for name, value in (("tool_grace_s", tool_grace_s), ("reap_after_s", reap_after_s),
@@ -241,6 +245,10 @@ class HintRuntime:
         # ``migrate``: contexts move between embedded nodes with the turns the router or a queue sends
         # elsewhere (``_context_moves``: a routed session's, a queued turn's to a node with room)
         self.mover = ContextMover(self.router, self.clients, self.registry) if migrate else None
+        self.thunder = (
+            LiveThunder(self.core, self._node_states, self._node_of, self.publish, thunder_period_s)
+            if thunder_period_s else None
+        )  # fmt: skip
         # per node: its cache-state stream up or down (a node down is taken out of the router)
         self.node_health: dict[str, StreamHealth] = {
             a: StreamHealth(f"engine node {a}: cache-state stream", logger) for a in self.engines
@@ -267,6 +275,8 @@ class HintRuntime:
             self.clients[addr] = turn_client(spec)
             self._tasks.append(asyncio.create_task(self._watch(addr), name=f"hintflow-watch-{addr}"))
         self._tasks.append(asyncio.create_task(self._tick_loop(), name="hintflow-tick"))
+        if self.thunder is not None:
+            self._tasks.append(asyncio.create_task(self._thunder_loop(self.thunder), name="hintflow-thunderagent"))
 
     async def stop(self, flush_timeout_s: float = 2.0) -> None:
         """Flush queued hints (bounded), then stop every task and channel; safe to call twice."""
@@ -351,6 +361,17 @@ class HintRuntime:
                 self.sweep(now)
             except Exception:  # bookkeeping must never stop the ticks
                 logger.exception("hintflow runtime: sweep failed")
+
+    async def _thunder_loop(self, thunder: LiveThunder) -> None:
+        while True:
+            await asyncio.sleep(thunder.period_s)
+            try:
+                thunder.control(time.monotonic())
+            except Exception:  # a controller bug must not stop the runtime
+                logger.exception("hintflow runtime: thunderagent control failed")
+
+    def _node_states(self) -> list[tuple[str, CacheState]]:
+        return [(a, st) for a in self.engines if (st := self.router.node_state(a)) is not None]
 
     def sweep(self, now: float) -> None:
         """End pauses whose tool returned ``tool_grace_s`` ago without a next turn; reap programs idle for
@@ -565,6 +586,8 @@ class HintRuntime:
     def _forget(self, program_id: str) -> None:
         """Drop what the runtime keeps about a program that ended (or was reaped)."""
         gone = {sid for sid, _ in self._sessions_of(program_id)}
+        if self.thunder is not None:
+            self.thunder.forget(gone)
         for sid in gone:
             del self.sessions[sid]
         for key in [k for k in self._pin_deadline_at_send if k[0] in gone]:
@@ -669,9 +692,14 @@ class HintRuntime:
             raise InvalidPrompt(str(exc)) from None
         tried: list[str] = []
         last_error = "no node has reported its cache state yet"
+        # ThunderAgent holds a paused session's call until its restore, onto the node it names
+        restored = await self.thunder.admit(inp.session_id, len(inp.prompt_token_ids)) if self.thunder else None
         while True:
+            exclude = list(tried)
+            if restored and restored not in tried:  # (the restore's node failed: any node will do)
+                exclude += [a for a in self.engines if a != restored]
             try:
-                decision = self.router.choose(req, time.monotonic(), exclude=tried)
+                decision = self.router.choose(req, time.monotonic(), exclude=exclude)
             except NoNodeAvailable as exc:
                 if not tried:
                     last_error = f"{exc} (none is answering its cache-state stream)"
@@ -697,6 +725,8 @@ class HintRuntime:
                 self.publishers[decision.moved_from].publish([Pin(session_id=inp.session_id, ttl_s=0.0)])
             s.node = addr
             self.router.started(addr, req)
+            if self.thunder is not None:
+                self.thunder.started(inp.session_id, addr, len(inp.prompt_token_ids))
             self._place_turn_hints(s)
 
             def sent_to(address: str, s: _SessionInfo = s, req: RouteRequest = req) -> None:
@@ -739,6 +769,8 @@ class HintRuntime:
                 raise EngineUnavailable(f"node {addr} failed the call: {why}") from None
             finally:
                 self.router.finished(addr, inp.session_id)
+                if self.thunder is not None:
+                    self.thunder.finished(inp.session_id)
             s.context_tokens = len(inp.prompt_token_ids) + len(res.token_ids)
             prefilled = res.num_prompt_tokens - res.num_cached_tokens - res.num_host_hit_tokens
             self.core.turn_done(prefilled, res.ttft_s - res.queue_wait_s, res.queue_wait_s, res.num_recomputed_tokens)
