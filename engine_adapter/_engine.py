@@ -31,7 +31,6 @@ from hints import (
     new_node_epoch,
     residency_reported,
 )
-from predictors import PrefillRate
 
 from ._context_blocks import ContextHeader
 from ._context_export import ContextExport, begin_export, drop_exported
@@ -88,9 +87,6 @@ class EngineCore:
         self.node_epoch = new_node_epoch()  # this life of the node (hints for an earlier one are refused)
         self.model_name = model_name
         self.block_size = executor.layout.block_size
-        # what a re-prefill costs here, from this engine's own steps; reported in CacheState for the
-        # orchestrator's pins (the vLLM node measures the same way, predictors.PrefillRate)
-        self.prefill_rate = PrefillRate()
         self.kv = KVCacheManager(
             executor.num_device_blocks,
             executor.num_host_blocks,
@@ -249,7 +245,6 @@ class EngineCore:
             if isinstance(self.clock, VirtualClock):
                 self.clock.advance(out.elapsed_s)
             self.scheduler.update(batch, out)
-            self.prefill_rate.observe(batch.num_tokens, out.elapsed_s)
             for o in self.observers:
                 o.on_step(batch, out)
             self._changed()
@@ -366,7 +361,6 @@ class EngineCore:
                 host_reload_s_per_token=float(getattr(self.executor, "host_reload_s_per_token", 0.0)),
                 host_hit_fraction=kv.host_hits.fraction() if kv.host.num_blocks else 0.0,
                 node_epoch=self.node_epoch,
-                prefill_s_per_token=self.prefill_rate.reported(),
             )
 
     # ---- moving contexts between nodes (_context_export, _context_import, _context_transfer) ---

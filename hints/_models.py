@@ -269,9 +269,6 @@ class CacheState(_Frozen):
     # this node process's life (a random nonzero id drawn at start; 0: a node that does not say): a new
     # epoch is a restart, an empty node
     node_epoch: Annotated[int, Field(ge=0, le=_UINT64_MAX)] = 0
-    # what a re-prefill costs on this node, per token, as it measured from its own prefill-sized steps
-    # (predictors.PrefillRate) or was configured; 0: not known yet. Pins are priced by it
-    prefill_s_per_token: Seconds = 0.0
 
     @property
     def kv_utilization(self) -> float:

@@ -510,7 +510,6 @@ class CacheState(_message.Message):
     HOST_RELOAD_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     HOST_HIT_FRACTION_FIELD_NUMBER: _builtins.int
     NODE_EPOCH_FIELD_NUMBER: _builtins.int
-    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model_name: _builtins.str
     block_size: _builtins.int
@@ -537,11 +536,6 @@ class CacheState(_message.Message):
     """this node process's life: a random nonzero id drawn at start, so a restarted node (empty) is told
     apart from the one before it, and hints meant for the earlier life are refused (HintBatch.node_epoch)
     """
-    prefill_s_per_token: _builtins.float
-    """what a re-prefill costs on this node, seconds per token, as it measured from its own prefill-sized
-    steps (predictors.PrefillRate) or was configured; 0: not known yet. The orchestrator prices pins by it
-    until it has measured the cost from the nodes' answers itself
-    """
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionResidency]: ...
     def __init__(
@@ -564,11 +558,10 @@ class CacheState(_message.Message):
         host_reload_s_per_token: _builtins.float = ...,
         host_hit_fraction: _builtins.float = ...,
         node_epoch: _builtins.int = ...,
-        prefill_s_per_token: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_fraction", b"host_hit_fraction", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_epoch", b"node_epoch", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "prefill_s_per_token", b"prefill_s_per_token", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_fraction", b"host_hit_fraction", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_epoch", b"node_epoch", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

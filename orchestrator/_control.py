@@ -20,10 +20,8 @@ nodes, one gRPC stream).  So the rules below hold alike wherever a policy runs:
   evicted contexts the host tiers give back (the mean over the nodes), and the wait behind their prefill
   backlogs (the mean; ``hintflow`` takes it as a floor under Continuum's T, as the vLLM node's own
   inference does), from ``node_seen``;
-* **the cost of a re-prefill** is learned from finished turns (``turn_done``: ``PrefillEstimator``); until
-  enough were seen, it is the nodes' own measure (``CacheState.prefill_s_per_token``, the mean over the
-  nodes that report one), else ``prefill_prior``. Continuum's T is learned from the queue wait of turns
-  that recomputed context;
+* **the cost of a re-prefill** is learned from finished turns (``turn_done``: ``PrefillEstimator``), and
+  Continuum's T from the queue wait of turns that recomputed context;
 * **addressing**: a hint about a session goes to the node its shell says holds it (``node_of``), else to
   every node; ``Release`` to every node (``hints_by_node``).
 """
@@ -73,7 +71,6 @@ class _NodeKnobs:
     host_hit_fraction: Reading
     reload_s_per_token: Reading
     prefill_backlog_tokens: Reading
-    prefill_s_per_token: Reading
 
 
 class ControlCore:
@@ -97,8 +94,7 @@ class ControlCore:
         ``rewrite(event, hints)``: a controller's say on the policy's hints (the replay's clairvoyant
         ``bound`` row).  ``on_event``: told every event fed to the policy, ticks included.  ``on_invalid``:
         told the kind of each hint ``validate`` dropped (the live runtime counts them in a metric)."""
-        self._prior = prefill_prior if prefill_prior is not None else (lambda n: 1e-4 * n)
-        self.prefill = PrefillEstimator(self._nodes_prefill_s)
+        self.prefill = PrefillEstimator(prefill_prior)
         self._auto = not hasattr(policy, "on_event")
         if isinstance(policy, PolicySpec):
             policy = policy.build(POLICIES, prefill_reload=self.prefill.reload_s, **policy_kw)
@@ -128,12 +124,10 @@ class ControlCore:
     def node_seen(
         self, node: str, *, host_tier: bool, pool_tokens: float, host_hit_fraction: Reading = 1.0,
         reload_s_per_token: Reading = 0.0, prefill_backlog_tokens: Reading = 0.0,
-        prefill_s_per_token: Reading = 0.0,
     ) -> None:
-        """What a node's cache state says about pricing (see the module doc); call it with every state.
-        ``prefill_s_per_token``: the node's own measure of a re-prefill (0: it does not know yet)."""
+        """What a node's cache state says about pricing (see the module doc); call it with every state."""
         self._knobs[node] = _NodeKnobs(host_tier, float(pool_tokens), host_hit_fraction, reload_s_per_token,
-                                       prefill_backlog_tokens, prefill_s_per_token)
+                                       prefill_backlog_tokens)
         if node not in self.nodes:
             self.nodes.append(node)
         every = bool(self.nodes) and all(a in self._knobs and self._knobs[a].host_tier for a in self.nodes)
@@ -152,12 +146,6 @@ class ControlCore:
 
         set_host_reload(copy_back_s if every else None, hit_share if every else None)
         logger.info("host tier on every node: %s; pins priced by %s", every, "the copy back" if every else "re-prefill")
-
-    def _nodes_prefill_s(self, context_tokens: int) -> float:
-        """A re-prefill priced by the nodes' own measure (the mean over those that report one), else by
-        the prior: what the estimator answers until it has samples of its own."""
-        rates = [r for k in self._knobs.values() if (r := _read(k.prefill_s_per_token)) > 0.0 and math.isfinite(r)]
-        return context_tokens * sum(rates) / len(rates) if rates else float(self._prior(context_tokens))
 
     def _backlog_wait_s(self) -> float:
         """The wait behind the nodes' prefill backlog (the mean over the nodes, priced at the learned

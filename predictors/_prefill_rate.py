@@ -1,11 +1,10 @@
-"""What a re-prefill costs on this node: seconds per token of its prefill-sized steps, measured.
+"""What a re-prefill costs on a node: seconds per token of its prefill-sized steps, measured.
 
-Why one estimator, reported: a pin is worth what re-prefilling the context would cost when its turn comes
-back, so both the node's own inference and the orchestrator's policies price pins by it. The node is the
-one that sees its steps; the orchestrator sees only answers (a turn's first token less its queue wait, and
-the vLLM harness not even the queue wait). So the node measures it here and reports it in
-``CacheState.prefill_s_per_token``, and the orchestrator's control core prices by the nodes' figure until
-it has measured its own (``orchestrator.PrefillEstimator``).
+A pin is worth what re-prefilling the context would cost when its turn comes back; the vLLM node's own
+inference prices its pins by this figure (``HINTFLOW_INFER_RELOAD_S_PER_TOKEN`` fixes it instead). The
+orchestrator learns the same cost from the nodes' answers (``orchestrator.PrefillEstimator``). Reporting
+the node's figure to the orchestrator (a ``CacheState`` field) was tried and not kept: on a real vLLM it
+did not move the pushed policy's figure (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -39,7 +38,3 @@ class PrefillRate:
         if self.measured and tokens >= PREFILL_MIN_STEP_TOKENS and seconds > 0.0 and math.isfinite(seconds):
             self.s_per_token += self.weight * (seconds / tokens - self.s_per_token)
             self.num_observed += 1
-
-    def reported(self) -> float:
-        """What the node reports: the figure once a step was seen (or fixed), else 0 (not known yet)."""
-        return self.s_per_token if (self.num_observed or not self.measured) else 0.0

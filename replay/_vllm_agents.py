@@ -74,9 +74,8 @@ class HintPusher:
     def __init__(self, target: str, policy_name: str = "hintflow", tick_s: float = 0.05,
                  s_per_token: float = 1.25e-4, host_s_per_token: float | None = None,
                  pool_tokens: float | None = None, thunder_period_s: float | None = None) -> None:
-        """``s_per_token``: the node's re-prefill cost until the node reports its own measure
-        (``CacheState.prefill_s_per_token``; the client cannot see queue waits, so it cannot measure the
-        cost itself).  ``host_s_per_token``: the node has a host KV tier, whose copy back costs this per
+        """``s_per_token``: the node's re-prefill cost (the client cannot see queue waits, so this prior is
+        what the core prices with).  ``host_s_per_token``: the node has a host KV tier, whose copy back costs this per
         token.  ``pool_tokens``: the node's device pool."""
         import grpc
 
@@ -93,12 +92,11 @@ class HintPusher:
         # runtime reads it from the state stream
         self.host_hit = 1.0
         self.backlog_tokens = 0  # the node's prefill backlog (CacheState), read with its host hits
-        self.node_s_per_token = 0.0  # and its measure of a re-prefill (0: not known yet)
         self.core = ControlCore(policy_name, nodes=[target], prefill_prior=lambda n: s_per_token * n)
         self.core.node_seen(
             target, host_tier=host_s_per_token is not None, pool_tokens=pool_tokens or 0.0,
             host_hit_fraction=lambda: self.host_hit, reload_s_per_token=host_s_per_token or 0.0,
-            prefill_backlog_tokens=lambda: self.backlog_tokens, prefill_s_per_token=lambda: self.node_s_per_token,
+            prefill_backlog_tokens=lambda: self.backlog_tokens,
         )  # fmt: skip
         self.channel = grpc.insecure_channel(target)
         self.stub = engine_pb2_grpc.EngineNodeStub(self.channel)
@@ -139,11 +137,9 @@ class HintPusher:
     def turn_done(self, computed_tokens: int, ttft_s: float, recomputed_tokens: int) -> None:
         """A turn's first token came ``ttft_s`` after it was sent, having prefilled ``computed_tokens`` of
         which ``recomputed_tokens`` an earlier turn had computed (its context was gone).  Its queue wait is
-        the time to first token less the prefill at the node's rate (the client sees no more).  It gives
-        the core no prefill sample: that would only echo the rate back, and the node's own measure is
-        what the core prices re-prefills by here."""
-        prefill_s = (self.node_s_per_token or self.s_per_token) * computed_tokens
-        self.events.put(("done", 0, prefill_s, max(0.0, ttft_s - prefill_s), recomputed_tokens))
+        the time to first token less the prefill at ``s_per_token`` (the client sees no more)."""
+        prefill_s = self.s_per_token * computed_tokens
+        self.events.put(("done", computed_tokens, prefill_s, max(0.0, ttft_s - prefill_s), recomputed_tokens))
 
     def _on(self, ev: Any) -> list[Any]:
         """The hints for one queued item (the core counts and logs a policy that raises, and goes on)."""
@@ -231,8 +227,6 @@ class HintPusher:
             self.host_hit = min(1.0, max(0.0, float(state.host_hit_fraction)))
             self.backlog_tokens = max(0, int(state.prefill_backlog_tokens))
             self.node_idle = state.num_running == 0 and state.num_waiting == 0
-            rate = float(state.prefill_s_per_token)
-            self.node_s_per_token = rate if math.isfinite(rate) and rate > 0.0 else self.node_s_per_token
         except Exception as e:  # keep the last figure: a missed read is not a failed benchmark
             self.codes[f"cache-state:{type(e).__name__}"] += 1
 

@@ -188,23 +188,3 @@ def test_hintflow_prices_t_at_least_the_wait_behind_the_nodes_prefill_backlog(sp
     ttl.observe_evicted_queue_delay(5.0)  # a measured T above the floor stands
     assert ttl.queue_delay_s == pytest.approx(5.0)
 
-
-def test_a_re_prefill_is_priced_by_the_nodes_own_measure_until_turns_were_seen() -> None:
-    """The harness sees no queue wait, so it cannot measure a re-prefill; the node can (its steps). The
-    core prices by the nodes' figure (mean of those that report one) until it has samples of its own."""
-    from engine_adapter import build_engine, load_engine_config
-
-    node = build_engine(load_engine_config(None, node_id="n", executor="modeled", num_device_blocks=64, pace_modeled=False))
-    assert node.cache_state().prefill_s_per_token == 0.0  # not known before a step
-    core = ControlCore("continuum", nodes=["n", "quiet"], prefill_prior=lambda n: 1.0 * n)
-    core.node_seen("n", host_tier=False, pool_tokens=1024, prefill_s_per_token=lambda: node.cache_state().prefill_s_per_token)
-    core.node_seen("quiet", host_tier=False, pool_tokens=1024)  # reports nothing: left out of the mean
-    assert core.prefill.reload_s(100) == pytest.approx(100.0)  # the prior, while no node knows
-    node.submit(list(range(1, 201)), 1, session_id="s", program_id="p")
-    node.run_until_idle()
-    rate = node.cache_state().prefill_s_per_token
-    assert 0.0 < rate < 1e-2  # the modeled step's seconds per token, far from the 1 s prior
-    assert core.prefill.reload_s(100) == pytest.approx(100 * rate)
-    for _ in range(4):  # the core's own samples take over
-        core.turn_done(computed_tokens=1000, prefill_s=2.0, queue_wait_s=0.0, recomputed_tokens=0)
-    assert core.prefill.reload_s(100) == pytest.approx(0.2)

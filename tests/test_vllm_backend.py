@@ -207,8 +207,6 @@ def test_pinned_prefix_survives_a_flood_that_evicts_the_unpinned_one(node: Node)
     # (HINTFLOW_PIN_GRACE_S, 0.5 s: a session the orchestrator pins waits for its next decision).
     _wait_pinned_blocks(node, 0, timeout_s=5.0)
     node.hints(Release(program_id="pa"), Release(program_id="pb"))
-    # the flood's prefills measured what a re-prefill costs here, for the orchestrator's pins
-    assert 1e-7 < node.state().prefill_s_per_token < 0.1
 
 
 def test_pin_sent_while_the_turn_runs_applies_when_it_ends(node: Node) -> None:

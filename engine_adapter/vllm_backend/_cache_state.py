@@ -83,7 +83,6 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
             version=version,
             host_reload_s_per_token=float(getattr(sched, "host_reload_s_per_token", 0.0)),
             host_hit_fraction=sched.host_hits.fraction() if tier is not None else 0.0,
-            prefill_s_per_token=sched.prefill_rate.reported(),
             node_epoch=sched.node_epoch,
         )
 

@@ -156,7 +156,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # CacheState, the orchestrator's
         self.host_hits = HostHitShare()
         # What a re-prefill costs here, measured from this engine's steps (or fixed by a profile): prices
-        # this node's inferred pins and, through CacheState, the orchestrator's
+        # this node's inferred pins
         reload = os.environ.get("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
         self.prefill_rate = PrefillRate(fixed=float(reload) if reload else None)
         self.infer: HintInference | None = None
