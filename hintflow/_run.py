@@ -390,7 +390,10 @@ def _moves(runtime: Any) -> dict[str, Any]:
     """The contexts the runtime took along to other nodes (all zero with moves off)."""
     mover = getattr(runtime, "mover", None)
     st = mover.stats if mover is not None else None
+    thunder = getattr(runtime, "thunder", None)  # ThunderAgent's controller (--policy thunderagent)
     return {
+        "thunderagent_pauses": thunder.agent.num_pauses if thunder is not None else 0,
+        "thunderagent_restores": thunder.agent.num_restores if thunder is not None else 0,
         "migrate": mover is not None,
         "migrations": st.num_moves if st else 0,
         "migrations_failed": st.num_failed if st else 0,

@@ -828,6 +828,8 @@ def _run_table(r: dict[str, Any]) -> str:
         f"{r['across_turn_hit_rate']:.1%}, recomputed {r['recomputed_tokens']} tokens, pins placed "
         f"{r['pins_placed']} (held to the next turn {r['pins_held']}, expired {r['pins_expired']}), wall {r['wall_s']:.1f} s"
     )
+    if str(r.get("policy", "")).split(":")[0] == "thunderagent":
+        lines.append(f"thunderagent: {r['thunderagent_pauses']} pauses, {r['thunderagent_restores']} restores")
     if r.get("migrate"):
         lines.append(
             f"migrations: {r['migrations']} ({r['migrated_tokens']} tokens, {r['migrated_bytes'] / 2**20:.1f} MiB, "
