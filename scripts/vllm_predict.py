@@ -40,7 +40,7 @@ MIRRORS = {
     "hintflow-orchestrator": f"node.hintflow-orchestrator=hintflow:{NODE}",
     "continuum": f"node.continuum=continuum:{NODE}",
     "kvflow": f"node.kvflow=kvflow:{NODE.replace('aging_s=3', 'aging_s=0')}",  # KVFlow's mode: request FCFS
-    "thunderagent": f"node.thunderagent=thunderagent:{NODE},thunderagent_controller=false",  # live: no controller
+    "thunderagent": f"node.thunderagent=thunderagent:{NODE}",  # with its controller, as the harness runs it
 }
 HOST = "host_tier=true,host_write_through=true"
 """A ``+host`` mode's node: the real one runs hintflow's host connector (write-through, LRU), and so
