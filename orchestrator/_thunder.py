@@ -71,15 +71,20 @@ class ThunderAgent:
         return True
 
     def forget(self, session_id: str) -> None:
-        """The session's program ended (or its held turn was given up): not paused, not waiting."""
+        """The session's program ended: not paused, not waiting."""
         self.paused.discard(session_id)
+        self.drop_waiting(session_id)
+
+    def drop_waiting(self, session_id: str) -> None:
+        """The session's held turn was given up (its call cancelled); it stays paused."""
         self.queue = [q for q in self.queue if q[0] != session_id]
 
     def control(
         self, sessions: Iterable[SessionLoad], capacity: Mapping[str, int], idle: Sequence[str]
     ) -> ThunderPlan:
-        """One period over every node's unpaused ``sessions``, the nodes' device ``capacity`` in tokens
-        and the ``idle`` ones (no work at all); the shell carries the plan out in order."""
+        """One period over the ``sessions`` with a turn in flight or in a tool (paused ones included: the
+        rule weighs the others and may un-pause these), the nodes' device ``capacity`` in tokens and the
+        ``idle`` ones (no work at all); the shell carries the plan out in order."""
         plan = ThunderPlan()
         sessions = list(sessions)
         loads = dict.fromkeys(capacity, 0.0)

@@ -88,3 +88,23 @@ async def test_a_held_call_whose_program_ends_goes_on_and_is_not_left_queued(sta
         assert rt.thunder.agent.queue == [] and "s1" not in rt.thunder.agent.paused
     finally:
         await rt.stop()
+
+
+async def test_a_held_call_that_is_cancelled_leaves_the_queue_and_the_session_paused(start_engine: Any) -> None:
+    node = await start_engine("a", num_device_blocks=40)
+    rt = HintRuntime([node.address], "thunderagent", thunder_period_s=3600.0)
+    assert rt.thunder is not None
+    await rt.start()
+    try:
+        await until(lambda: rt.router.node_state(node.address) is not None, 10.0, "the node in the router")
+        rt.thunder.agent.paused.add("s1")
+        rt.turn_started("p1", "s1", 100, routed=True)
+        call = asyncio.create_task(rt.generate("p1", LLMInput("s1", _prompt(1, 100), max_new_tokens=2)))
+        await asyncio.sleep(0.2)
+        assert rt.thunder.agent.queue == [("s1", 100)]
+        call.cancel()  # the activity was cancelled (a heartbeat timeout, the workflow's cancel)
+        await asyncio.gather(call, return_exceptions=True)
+        assert rt.thunder.agent.queue == [] and rt.thunder._held == {}
+        assert rt.thunder.agent.paused == {"s1"}  # a retry of the call waits for a restore again
+    finally:
+        await rt.stop()

@@ -63,8 +63,8 @@ class LiveThunder:
         self._held[session_id] = held
         try:
             return await held
-        except asyncio.CancelledError:  # the activity was cancelled: its turn no longer waits
-            self.agent.queue = [q for q in self.agent.queue if q[0] != session_id]
+        except asyncio.CancelledError:  # the activity was cancelled: its turn no longer waits (a retry
+            self.agent.drop_waiting(session_id)  # of the call is held again while the session is paused)
             raise
         finally:
             self._held.pop(session_id, None)
