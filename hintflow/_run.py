@@ -390,10 +390,7 @@ def _moves(runtime: Any) -> dict[str, Any]:
     """The contexts the runtime took along to other nodes (all zero with moves off)."""
     mover = getattr(runtime, "mover", None)
     st = mover.stats if mover is not None else None
-    thunder = getattr(runtime, "thunder", None)  # ThunderAgent's controller (--policy thunderagent)
     return {
-        "thunderagent_pauses": thunder.agent.num_pauses if thunder is not None else 0,
-        "thunderagent_restores": thunder.agent.num_restores if thunder is not None else 0,
         "migrate": mover is not None,
         "migrations": st.num_moves if st else 0,
         "migrations_failed": st.num_failed if st else 0,
@@ -402,6 +399,14 @@ def _moves(runtime: Any) -> dict[str, Any]:
         "migrated_bytes": st.num_bytes if st else 0,
         "migration_s": st.move_s if st else 0.0,
     }
+
+
+def _thunder(runtime: Any) -> dict[str, int]:
+    """ThunderAgent's pauses and restores (all zero without its controller: --policy thunderagent)."""
+    thunder = getattr(runtime, "thunder", None)
+    agent = thunder.agent if thunder is not None else None
+    return {"thunderagent_pauses": agent.num_pauses if agent else 0,
+            "thunderagent_restores": agent.num_restores if agent else 0}
 
 
 def _q(values: Sequence[float], q: float) -> float:
@@ -467,6 +472,7 @@ def summarize(
         "pins_held": totals.pins_held,
         "pins_expired": totals.pins_expired,
         **_moves(runtime),
+        **_thunder(runtime),
         "background_requests": num_background,
         "wall_s": wall_s,
         "config": asdict(cfg),

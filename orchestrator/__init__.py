@@ -53,6 +53,7 @@ from orchestrator._thunder import (
     SessionLoad,
     ThunderAgent,
     ThunderPlan,
+    thunder_loads,
     thunder_pause_hints,
 )
 from orchestrator._tracker import ProgramTracker, role_of
@@ -125,5 +126,6 @@ __all__ = [
     "shared_prefix_steps",
     "steps_to_execution",
     "take_context_along",
+    "thunder_loads",
     "thunder_pause_hints",
 ]

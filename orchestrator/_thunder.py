@@ -21,12 +21,13 @@ session (one KV context); for single-session workloads that is the program.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hints import MAX_HORIZON_S, EvictionOrder, HintModel, NextUse, Pin
+from orchestrator._control import Pause
 
-__all__ = ["THUNDER_PERIOD_S", "SessionLoad", "ThunderAgent", "ThunderPlan", "thunder_pause_hints"]
+__all__ = ["THUNDER_PERIOD_S", "SessionLoad", "ThunderAgent", "ThunderPlan", "thunder_loads", "thunder_pause_hints"]
 
 THUNDER_PERIOD_S = 5.0
 """ThunderAgent's Δt: how often the controller weighs the nodes (the paper's setting)."""
@@ -143,6 +144,25 @@ class ThunderAgent:
             loads[node] += s.tokens
             self.paused.discard(s.session_id)
             plan.unpause.append(s.session_id)
+
+
+def thunder_loads(
+    running: Iterable[tuple[str, str, int]],
+    pauses: Mapping[str, Pause],
+    context_tokens: Callable[[str], int],
+    node_of: Callable[[str], str | None],
+    now_s: float,
+) -> list[SessionLoad]:
+    """What a live shell weighs (the harness, the runtime): each call in flight, ``(session, node, prompt
+    tokens)``, then each session in its tool (the core's pause open, its tools not returned) with its
+    context, on the node that holds it (``node_of``; a session on no known node is left out)."""
+    loads = [SessionLoad(sid, node, tokens) for sid, node, tokens in running]
+    busy = {s.session_id for s in loads}
+    for sid, p in pauses.items():
+        node = node_of(sid)
+        if p.returned_s is None and sid not in busy and node is not None:
+            loads.append(SessionLoad(sid, node, context_tokens(sid), now_s - p.started_s))
+    return loads
 
 
 def thunder_pause_hints(session_ids: Sequence[str]) -> list[HintModel]:

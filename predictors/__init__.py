@@ -1,5 +1,5 @@
-"""Pure predictors that both sides of hintflow use: the pause model, Continuum's TTL cost model, what a
-host tier gives back and what a re-prefill costs.
+"""Pure predictors that both sides of hintflow use: the pause model, Continuum's TTL cost model and
+what a host tier gives back.
 
 The orchestrator's policies and the vLLM node's engine-side hint inference
 (``engine_adapter.vllm_backend``) decide pins from the same two objects, so they live here, in a package
@@ -14,13 +14,11 @@ from predictors._pause_model import (
     PauseDistribution,
     PauseModel,
 )
-from predictors._prefill_rate import PREFILL_MIN_STEP_TOKENS, PrefillRate
 from predictors._ttl import DEFAULT_RENEW_QUANTILE, ContinuumTTL, HostTierTTL, continuum_tau
 
 __all__ = [
     "DEFAULT_RENEW_QUANTILE",
     "HOST_HIT_DECAY",
-    "PREFILL_MIN_STEP_TOKENS",
     "ContinuumTTL",
     "EmpiricalDistribution",
     "ExponentialDistribution",
@@ -28,6 +26,5 @@ __all__ = [
     "HostTierTTL",
     "PauseDistribution",
     "PauseModel",
-    "PrefillRate",
     "continuum_tau",
 ]

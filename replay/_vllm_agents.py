@@ -75,8 +75,11 @@ class HintPusher:
                  s_per_token: float = 1.25e-4, host_s_per_token: float | None = None,
                  pool_tokens: float | None = None, thunder_period_s: float | None = None) -> None:
         """``s_per_token``: the node's re-prefill cost (the client cannot see queue waits, so this prior is
-        what the core prices with).  ``host_s_per_token``: the node has a host KV tier, whose copy back costs this per
-        token.  ``pool_tokens``: the node's device pool."""
+        what the core prices with).  ``host_s_per_token``: the node has a host KV tier, whose copy back
+        costs this per token.  ``pool_tokens``: the node's device pool.  ``thunder_period_s``: run
+        ThunderAgent's pause/restore controller (``orchestrator.ThunderAgent``) at this period: a paused
+        session's next turn waits in :meth:`wait_turn` until the controller restores it, and a pause is
+        pushed as ``thunder_pause_hints`` (unpinned, first to evict)."""
         import grpc
 
         from hints import engine_pb2_grpc
@@ -175,15 +178,11 @@ class HintPusher:
 
     def _control(self, now: float) -> list[Any]:
         """One ThunderAgent period over the node's sessions: the pause hints; restored turns are let go."""
-        from orchestrator import SessionLoad, thunder_pause_hints
+        from orchestrator import thunder_loads, thunder_pause_hints
 
         assert self.thunder is not None
-        loads = [SessionLoad(sid, self.target, tokens) for sid, tokens in self._running.items()]
-        loads += [
-            SessionLoad(sid, self.target, self.core.context_tokens(sid), now - p.started_s)
-            for sid, p in self.core.pauses.items()
-            if p.returned_s is None and sid not in self._running
-        ]
+        running = [(sid, self.target, tokens) for sid, tokens in self._running.items()]
+        loads = thunder_loads(running, self.core.pauses, self.core.context_tokens, lambda _sid: self.target, now)
         plan = self.thunder.control(loads, {self.target: self.pool_tokens}, [self.target] if self.node_idle else [])
         for sid, _node in plan.restore:
             held = self._held.pop(sid, None)

@@ -318,21 +318,3 @@ def test_host_hit_share_weighs_tokens_forgets_slowly_and_ignores_device_hits() -
     assert share.fraction() < 0.01  # the past fades
     with pytest.raises(ValueError, match="decay"):
         HostHitShare(decay=1.0)
-
-
-def test_prefill_rate_follows_prefill_sized_steps_unless_fixed() -> None:
-    from predictors import PREFILL_MIN_STEP_TOKENS, PrefillRate
-
-    rate = PrefillRate(prior=1e-3)
-    rate.observe(PREFILL_MIN_STEP_TOKENS - 1, 10.0)  # a decode-sized step says nothing about prefill
-    rate.observe(2000, math.nan)
-    assert rate.s_per_token == 1e-3 and rate.num_observed == 0
-    for _ in range(200):
-        rate.observe(2000, 0.5)
-    assert rate.s_per_token == pytest.approx(2.5e-4)
-    fixed = PrefillRate(fixed=0.1)
-    fixed.observe(2000, 0.5)
-    assert fixed.s_per_token == 0.1  # a profile's figure never moves
-    for bad in ({"prior": 0.0}, {"fixed": -1.0}, {"fixed": math.inf}, {"weight": 0.0}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            PrefillRate(**bad)  # type: ignore[arg-type]

@@ -10,7 +10,9 @@ it gives (the rule reads only the times it is given).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from tests.polling import until
@@ -70,27 +72,9 @@ async def test_a_paused_session_s_next_call_waits_for_its_restore(start_engine: 
         await rt.stop()
 
 
-async def test_a_held_call_whose_program_ends_goes_on_and_is_not_left_queued(start_engine: Any) -> None:
-    node = await start_engine("a", num_device_blocks=40)
-    rt = HintRuntime([node.address], "thunderagent", thunder_period_s=3600.0)
-    assert rt.thunder is not None
-    await rt.start()
-    try:
-        await until(lambda: rt.router.node_state(node.address) is not None, 10.0, "the node in the router")
-        rt.thunder.agent.paused.add("s1")  # as a period would leave it
-        rt.turn_started("p1", "s1", 100, routed=True)
-        call = asyncio.create_task(rt.generate("p1", LLMInput("s1", _prompt(1, 100), max_new_tokens=2)))
-        await asyncio.sleep(0.2)
-        assert not call.done() and rt.thunder.agent.queue == [("s1", 100)]
-        rt.program_ended("p1", "cancelled")  # e.g. the workflow was cancelled while its call waited
-        res = await asyncio.wait_for(call, 10.0)  # let go, routed as usual
-        assert res.node == node.address
-        assert rt.thunder.agent.queue == [] and "s1" not in rt.thunder.agent.paused
-    finally:
-        await rt.stop()
-
-
-async def test_a_held_call_that_is_cancelled_leaves_the_queue_and_the_session_paused(start_engine: Any) -> None:
+@contextlib.asynccontextmanager
+async def _held_call(start_engine: Any) -> AsyncIterator[tuple[HintRuntime, Any, asyncio.Task[Any]]]:
+    """A runtime on one node, and session s1's call held (s1 paused, as a period would leave it)."""
     node = await start_engine("a", num_device_blocks=40)
     rt = HintRuntime([node.address], "thunderagent", thunder_period_s=3600.0)
     assert rt.thunder is not None
@@ -101,10 +85,26 @@ async def test_a_held_call_that_is_cancelled_leaves_the_queue_and_the_session_pa
         rt.turn_started("p1", "s1", 100, routed=True)
         call = asyncio.create_task(rt.generate("p1", LLMInput("s1", _prompt(1, 100), max_new_tokens=2)))
         await asyncio.sleep(0.2)
+        yield rt, node, call
+    finally:
+        await rt.stop()
+
+
+async def test_a_held_call_whose_program_ends_goes_on_and_is_not_left_queued(start_engine: Any) -> None:
+    async with _held_call(start_engine) as (rt, node, call):
+        assert rt.thunder is not None
+        assert not call.done() and rt.thunder.agent.queue == [("s1", 100)]
+        rt.program_ended("p1", "cancelled")  # e.g. the workflow was cancelled while its call waited
+        res = await asyncio.wait_for(call, 10.0)  # let go, routed as usual
+        assert res.node == node.address
+        assert rt.thunder.agent.queue == [] and "s1" not in rt.thunder.agent.paused
+
+
+async def test_a_held_call_that_is_cancelled_leaves_the_queue_and_the_session_paused(start_engine: Any) -> None:
+    async with _held_call(start_engine) as (rt, _node, call):
+        assert rt.thunder is not None
         assert rt.thunder.agent.queue == [("s1", 100)]
         call.cancel()  # the activity was cancelled (a heartbeat timeout, the workflow's cancel)
         await asyncio.gather(call, return_exceptions=True)
         assert rt.thunder.agent.queue == [] and rt.thunder._held == {}
         assert rt.thunder.agent.paused == {"s1"}  # a retry of the call waits for a restore again
-    finally:
-        await rt.stop()

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from hints import CacheState, HintModel
-from orchestrator import THUNDER_PERIOD_S, ControlCore, SessionLoad, ThunderAgent, thunder_pause_hints
+from orchestrator import THUNDER_PERIOD_S, ControlCore, ThunderAgent, thunder_loads, thunder_pause_hints
 
 __all__ = ["LiveThunder"]
 
@@ -87,11 +87,8 @@ class LiveThunder:
     def control(self, now_s: float) -> None:
         """One period (``now_s``: the runtime's monotonic time, the core's clock)."""
         states = dict(self.node_states())
-        loads = [SessionLoad(sid, node, tokens) for sid, (node, tokens) in self._running.items()]
-        for sid, p in self.core.pauses.items():
-            node = self.node_of(sid)
-            if p.returned_s is None and sid not in self._running and node is not None:
-                loads.append(SessionLoad(sid, node, self.core.context_tokens(sid), now_s - p.started_s))
+        running = [(sid, node, tokens) for sid, (node, tokens) in self._running.items()]
+        loads = thunder_loads(running, self.core.pauses, self.core.context_tokens, self.node_of, now_s)
         capacity = {a: st.total_blocks * st.block_size for a, st in states.items()}
         idle = [a for a, st in states.items() if st.num_running == 0 and st.num_waiting == 0]
         plan = self.agent.control(loads, capacity, idle)

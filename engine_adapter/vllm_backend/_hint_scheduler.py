@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import TypeAdapter, ValidationError
 
 from hints import OptionalProgramId, SessionId, new_node_epoch
-from predictors import HostHitShare, PrefillRate
+from predictors import HostHitShare
 
 from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, CLASS_SCALE, PRIORITY_SCALE, QueueRules
@@ -155,18 +155,15 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # What the host tier gives back of evicted contexts: prices this node's inferred pins and, through
         # CacheState, the orchestrator's
         self.host_hits = HostHitShare()
-        # What a re-prefill costs here, measured from this engine's steps (or fixed by a profile): prices
-        # this node's inferred pins
-        reload = os.environ.get("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
-        self.prefill_rate = PrefillRate(fixed=float(reload) if reload else None)
         self.infer: HintInference | None = None
         if infer_enabled():
             env = os.environ.get
+            reload = env("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
             self.infer = HintInference(
                 self.book,
                 backlog_tokens=self.prefill_backlog_tokens,
                 defer_s=float(env("HINTFLOW_INFER_DEFER_S", "60")),
-                prefill_rate=self.prefill_rate,
+                reload_s_per_token=float(reload) if reload else None,
                 silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
                 host_reload_s_per_token=self.host_reload_s_per_token or None,  # None: no host tier
                 pool_tokens=(lambda: float(self.book.num_blocks * self.block_size))
@@ -383,8 +380,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         with self.hint_lock:
             step = self.steps.returned(scheduler_output, self.book.clock())
-            if step is not None:
-                self.prefill_rate.observe(*step)
+            if step is not None and self.infer is not None:
+                self.infer.observe_step(*step)
             out = super().update_from_output(scheduler_output, *args, **kwargs)
             self.accounting.after_step()
             return out

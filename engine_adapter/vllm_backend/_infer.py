@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from predictors import ContinuumTTL, HostHitShare, HostTierTTL, PauseModel, PrefillRate
+from predictors import ContinuumTTL, HostHitShare, HostTierTTL, PauseModel
 
 from ._sessions import SessionBook, VSession
 
@@ -98,7 +98,6 @@ class HintInference:
         host_reload_s_per_token: float | None = None,
         pool_tokens: Callable[[], float] | None = None,
         host_hits: HostHitShare | None = None,
-        prefill_rate: PrefillRate | None = None,
     ) -> None:
         """``reload_s_per_token`` fixes the re-prefill cost (a profile, as Continuum's fit) instead of
         measuring it; ``silent_min_s`` is the least silence after which a program is released;
@@ -108,10 +107,7 @@ class HintInference:
         ``pool_tokens()``: the device pool in tokens; pins are then priced by the share of it they hold
         (``ContinuumTTL``'s memory share, as the orchestrator's ``hintflow`` policy prices them).
         ``host_hits``: the node's measure of what its host tier gives back (the scheduler's, which it also
-        reports in ``CacheState``); a fresh one fed by ``observe_host_reload`` if not given.
-        ``prefill_rate``: the node's measure of a re-prefill's cost (the scheduler's, which it also reports
-        in ``CacheState``); if not given, one of this inference's own, fixed at ``reload_s_per_token`` when
-        that is given, fed by ``observe_step`` otherwise."""
+        reports in ``CacheState``); a fresh one fed by ``observe_host_reload`` if not given."""
         self.book = book
         self.clock = clock or book.clock
         self.defer_s = defer_s
@@ -133,8 +129,8 @@ class HintInference:
                                      queue_delay_floor_s=self.backlog_s)
         self.programs: dict[str, _Program] = {}
         self.explicit_s: dict[str, float] = {}  # session id -> when it last got a hint over PushHints
-        # re-prefill cost: fixed, or refined from this engine's steps
-        self.rate = prefill_rate if prefill_rate is not None else PrefillRate(fixed=reload_s_per_token or None)
+        self.s_per_token = reload_s_per_token or 1e-4  # re-prefill cost, refined from this engine's steps
+        self.measure_reload = reload_s_per_token is None
         self.silent_min_s = silent_min_s
         self.inferred_pins = 0
         self.inferred_releases = 0
@@ -142,10 +138,6 @@ class HintInference:
         self._pinned: set[str] = set()  # sessions whose current pin this inference set
 
     # ---- costs ---------------------------------------------------------------------------------
-    @property
-    def s_per_token(self) -> float:
-        return self.rate.s_per_token
-
     def prefill_reload_s(self, context_tokens: int) -> float:
         return self.s_per_token * context_tokens
 
@@ -164,8 +156,9 @@ class HintInference:
         return self.host_hits.fraction()
 
     def observe_step(self, tokens: int, seconds: float) -> None:
-        """A model step of ``tokens`` took ``seconds``: prefill-sized steps refine the reload cost."""
-        self.rate.observe(tokens, seconds)
+        """A model step of ``tokens`` took ``seconds``: prefill-sized steps refine the reload cost (EWMA)."""
+        if self.measure_reload and tokens >= 64 and seconds > 0 and math.isfinite(seconds):
+            self.s_per_token = 0.9 * self.s_per_token + 0.1 * (seconds / tokens)
 
     def note_explicit(self, session_id: str) -> None:
         """The orchestrator speaks for this session now: an inferred pin it still holds is dropped."""
