@@ -14,6 +14,7 @@ from orchestrator._graph import (
     shared_prefix_steps,
     steps_to_execution,
 )
+from orchestrator._move_planner import MovePlanner, MoveStats, PlannedMove
 from orchestrator._policy import (
     POLICIES,
     POLICY_OPTIONS,
@@ -84,6 +85,8 @@ __all__ = [
     "HostTierTTL",
     "JoinKind",
     "KVFlowPolicy",
+    "MovePlanner",
+    "MoveStats",
     "NoNodeAvailable",
     "NodeRoom",
     "NodeView",
@@ -91,6 +94,7 @@ __all__ = [
     "Pause",
     "PauseDistribution",
     "PauseModel",
+    "PlannedMove",
     "PolicySpec",
     "PrefillEstimator",
     "ProgramEnded",

@@ -23,8 +23,8 @@ no room fails at once and the turn stays (or is resubmitted) where its context i
 until the transfer is over.  The turn keeps its ``ready_s``, so its TTFT and queue wait include the time it
 queued on A and the transfer.  It counts as a migration, not a session move (those re-prefill).  Each step
 is the live engine's own API (``abort``, ``export_context``, ``import_context``, ``Pin``, ``Priority``), the
-path the live runtime takes (``workflows/_context_moves.py``), and whether a queued turn moves, and where,
-is the same function there and here (``orchestrator.move_target``).
+path the live runtime takes (``workflows/_context_moves.py``), and whether a turn moves, where, and what each
+destination was promised meanwhile is the core's ``orchestrator.MovePlanner`` there and here.
 
 Rent-or-buy: a turn moves only after waiting on its node as long as its transfer takes, so a turn that its
 own node admits within that time never pays for one, and only once that node's scheduler has passed it
@@ -41,14 +41,7 @@ from typing import TYPE_CHECKING
 
 from engine_adapter import EngineError, Request, SessionState
 from hints import Pin, Priority
-from orchestrator import (
-    MAX_MOVES_PER_TURN,
-    NodeRoom,
-    QueuedTurn,
-    RouteRequest,
-    move_target,
-    take_context_along,
-)
+from orchestrator import MAX_MOVES_PER_TURN, MovePlanner, NodeRoom, PlannedMove, QueuedTurn
 from replay._nodes import SimNode
 from replay._runs import SessionRun
 
@@ -68,12 +61,10 @@ class Migrator:
         if not (math.isfinite(per_token_s) and per_token_s >= 0.0):
             raise ValueError(f"migration per_token_s must be finite and >= 0, got {per_token_s}")
         self.sim, self.per_token_s = sim, per_token_s
-        self._inbound: dict[str, int] = {n.address: 0 for n in sim.nodes}  # blocks promised to moves in flight
-        self._inbound_turns: dict[str, int] = {n.address: 0 for n in sim.nodes}  # and the turns themselves
-        self.num_migrations = 0  # copies that arrived (their turn was submitted on the new node)
-        self.num_migrated_tokens = 0
-        self.total_transfer_s = 0.0  # those copies' time on the link, summed
-        self.num_failed_imports = 0  # moves the receiver had no room for: the turn stayed with its context
+        # The promises to moves in flight and the moves' counts (migrations: copies that arrived, their turn
+        # submitted on the new node; failed: imports the receiver had no room for, the turn stayed with its
+        # context), kept by the core's planner as the live runtime's are.
+        self.planner = MovePlanner()
 
     def check(self) -> None:
         """Move what can move now (cheap when no node has a queue or every node has one).  Whether and where
@@ -99,13 +90,14 @@ class Migrator:
                     need_tokens=len(req.prompt) + req.max_new_tokens,
                     num_moves=s.num_moves,
                 )
-                target = move_target(turn, [self._node_room(n) for n in open_nodes], self.per_token_s)
+                target = self.planner.queued_target(turn, [self._node_room(n) for n in open_nodes], self.per_token_s)
                 if target is not None:
                     self.move(src, self.sim.by_address[target], s, queued=req)
 
     def _node_room(self, node: SimNode) -> NodeRoom:
+        """The node as it is now (the planner takes off what moves on their way there were promised)."""
         sched = node.engine.scheduler
-        slots = sched.config.max_num_seqs - len(sched.running) - self._inbound_turns[node.address]
+        slots = sched.config.max_num_seqs - len(sched.running)
         return NodeRoom(node.address, len(sched.waiting), slots, self._room(node), node.block_size)
 
     def _blocks(self, node: SimNode, num_tokens: int) -> int:
@@ -113,10 +105,10 @@ class Migrator:
 
     def _room(self, node: SimNode) -> int:
         """Blocks a moved turn can count on: the device less what the running turns need to finish (their
-        whole prompt and output), the pinned blocks and what moves in flight were promised."""
+        whole prompt and output) and the pinned blocks."""
         kv = node.engine.kv
         held = sum(self._blocks(node, len(r.prompt) + r.max_new_tokens) for r in node.engine.scheduler.running)
-        return kv.device.num_blocks - held - kv.num_pinned_blocks - self._inbound[node.address]
+        return kv.device.num_blocks - held - kv.num_pinned_blocks
 
     def take_along(self, src: SimNode, dst: SimNode, s: SessionRun) -> bool:
         """Whether the session, routed from ``src`` to ``dst`` at its turn's start, takes its parked context
@@ -126,8 +118,8 @@ class Migrator:
             return False
         num_tokens = held.num_device_tokens + held.num_host_tokens
         need_tokens = len(s.prompt) + s.session.turns[s.turn_index].output_tokens
-        return take_context_along(num_tokens, need_tokens, self._node_room(dst), self.per_token_s,
-                                  self.sim.prefill.reload_s(num_tokens))
+        return self.planner.take_along(num_tokens, need_tokens, self._node_room(dst), self.per_token_s,
+                                       self.sim.prefill.reload_s(num_tokens))
 
     def turn_blocks(self, node: SimNode, s: SessionRun) -> int:
         """Blocks the session's turn in flight needs to finish (its whole prompt and output)."""
@@ -146,32 +138,26 @@ class Migrator:
             src.engine.abort(queued.request_id)
             src.finished.remove(queued)  # an abort reports a finish; this one is not the turn's end
         s.num_moves += 1
+        move = self.planner.begin("queued" if queued is not None else "routed", s.key, src.address, dst.address,
+                                  self.turn_blocks(dst, s))
         blob = src.engine.export_context(s.key)
         try:
             dst.engine.import_context(blob)
         except EngineError:  # no room there after all: the turn goes on waiting where its context is
-            self.num_failed_imports += 1
+            self.planner.failed(move)
             self._submit(src, src, s, arrival_s, overdue)
             return
         transfer_s = len(blob.token_ids) * self.per_token_s
         # The blocks are written while the copy is on the wire: keep them from being evicted meanwhile (the
         # lease holds on past its end once the turn is queued, until admission consumes it).
         dst.engine.apply_hints([Pin(session_id=s.key, ttl_s=transfer_s, reason="migration in flight")])
-        need = self.turn_blocks(dst, s)
-        self._inbound[dst.address] += need
-        self._inbound_turns[dst.address] += 1
-        sim.at(sim.now + transfer_s,
-               lambda: self._arrive(src, dst, s, len(blob.token_ids), need, arrival_s, overdue))
+        sim.at(sim.now + transfer_s, lambda: self._arrive(move, src, dst, s, len(blob.token_ids), arrival_s, overdue))
         sim.kick(src)
 
-    def _arrive(self, src: SimNode, dst: SimNode, s: SessionRun, num_tokens: int, need: int, arrival_s: float,
-                overdue: bool) -> None:
+    def _arrive(self, move: PlannedMove, src: SimNode, dst: SimNode, s: SessionRun, num_tokens: int,
+                arrival_s: float, overdue: bool) -> None:
         """The copy is complete: the turn is submitted on ``dst`` and the source lets go of its context."""
-        self._inbound[dst.address] -= need
-        self._inbound_turns[dst.address] -= 1
-        self.num_migrations += 1
-        self.num_migrated_tokens += num_tokens
-        self.total_transfer_s += num_tokens * self.per_token_s
+        self.planner.done(move, num_tokens, 0, num_tokens * self.per_token_s)  # (bytes: the report prices them)
         s.migrated_tokens = num_tokens
         self._submit(src, dst, s, arrival_s, overdue)
         src.engine.kv.free_session(src.engine.kv.sessions[s.key])
@@ -183,7 +169,7 @@ class Migrator:
         age_s = max(0.0, self.sim.now - held.program_start_s) if held.program_start_s is not None else 0.0
         priority = Priority(session_id=s.key, program_id=held.program_id, program_age_s=age_s,
                             priority_class=held.priority_class)
-        self.sim.router.started(target.address, _route_request(s))  # the session's home from now on
+        self.sim.router.started(target.address, self.sim.route_request(s, s.prompt))  # its home from now on
         self.sim.submit_turn(s, target)
         req = s.request
         assert req is not None
@@ -192,8 +178,3 @@ class Migrator:
             target.engine.scheduler.mark_priorities_changed()  # re-sorted by its key at the next step
         target.engine.apply_hints([priority])
 
-
-def _route_request(s: SessionRun) -> RouteRequest:
-    turn = s.session.turns[s.turn_index]
-    return RouteRequest(s.key, s.run.program.program_id, len(s.prompt), turn.shared_prefix,
-                        turn.shared_prefix_tokens)

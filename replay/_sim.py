@@ -182,13 +182,13 @@ class Simulation:
             extra |= {"thunderagent_pauses": self.controller.num_pauses,
                       "thunderagent_restores": self.controller.num_restores}
         if self.migrator is not None:
-            mig = self.migrator
+            st = self.migrator.planner.stats
             bytes_per_token = self.spec.cost_model.kv_bytes_per_token  # None: the profile does not say
-            extra |= {"migrations": mig.num_migrations,
-                      "migrated_tokens": mig.num_migrated_tokens,
-                      "migrated_bytes": None if bytes_per_token is None else mig.num_migrated_tokens * bytes_per_token,
-                      "migration_transfer_s": mig.total_transfer_s,
-                      "failed_migrations": mig.num_failed_imports}
+            extra |= {"migrations": st.num_moves,
+                      "migrated_tokens": st.num_tokens,
+                      "migrated_bytes": None if bytes_per_token is None else st.num_tokens * bytes_per_token,
+                      "migration_transfer_s": st.move_s,
+                      "failed_migrations": st.num_failed}
         return extra
 
     def _sample_tick(self) -> None:
@@ -279,7 +279,7 @@ class Simulation:
         prompt = s.next_prompt(self.prompts.new_input(turn, f"{s.key}/{s.turn_index}"))
         moved_from = None
         if node is None:
-            address, moved_from = self._route(s, prompt, turn)
+            address, moved_from = self._route(s, prompt)
         else:
             address = node.address
         s.prompt, s.migrated_tokens, s.num_moves = prompt, 0, 0
@@ -320,7 +320,7 @@ class Simulation:
                             + t.tool_duration_s)
         return round(1000 * total_s)
 
-    def _route(self, s: SessionRun, prompt: list[int], turn: Any) -> tuple[str, str | None]:
+    def _route(self, s: SessionRun, prompt: list[int]) -> tuple[str, str | None]:
         """(node for the turn, the node the session leaves or None)."""
         if len(self.nodes) == 1:
             return self.nodes[0].address, None
@@ -331,13 +331,17 @@ class Simulation:
         cached = None
         if self.config.routing == "llm-d":  # its precise prefix scorer indexes every node's KV events
             cached = {n.address: self._cached_prefix_tokens(n, s.key, prompt) for n in self.nodes}
-        req = RouteRequest(
-            s.key, s.run.program.program_id, len(prompt), turn.shared_prefix, turn.shared_prefix_tokens,
-            cached_tokens=cached,
-        )
+        req = self.route_request(s, prompt, cached)
         decision = self.router.choose(req, self.now)
         self.router.started(decision.address, req)
         return decision.address, decision.moved_from
+
+    @staticmethod
+    def route_request(s: SessionRun, prompt: list[int], cached: dict[str, int] | None = None) -> RouteRequest:
+        """The router's view of the session's turn in flight with ``prompt``."""
+        turn = s.session.turns[s.turn_index]
+        return RouteRequest(s.key, s.run.program.program_id, len(prompt), turn.shared_prefix,
+                            turn.shared_prefix_tokens, cached_tokens=cached)
 
     @staticmethod
     def _cached_prefix_tokens(node: SimNode, session_id: str, prompt: list[int]) -> int:

@@ -70,8 +70,8 @@ class _Moves:
                 self.num_in_flight_blocks += len(copy.block_ids)
                 self.num_pinned_in_flight_blocks += copy.pinned_blocks
 
-        def arrived(m: Migrator, src, dst, s, num_tokens, need, arrival_s, overdue):  # type: ignore[no-untyped-def]
-            arrive(m, src, dst, s, num_tokens, need, arrival_s, overdue)
+        def arrived(m: Migrator, planned, src, dst, s, num_tokens, arrival_s, overdue):  # type: ignore[no-untyped-def]
+            arrive(m, planned, src, dst, s, num_tokens, arrival_s, overdue)
             if s.node == dst.address:  # it took: the source let go of its copy (no block counted twice)
                 self.num_left_behind += s.key in src.engine.kv.sessions
             # The turn keeps its place in line: the arrival time (and deadline status) it queued with.
@@ -205,7 +205,7 @@ def test_a_turn_moves_only_to_a_node_with_a_free_sequence_slot_and_at_most_twice
     def spy(m: Migrator, src, dst, s, queued=None):  # type: ignore[no-untyped-def]
         moves[(s.key, s.turn_index)] = moves.get((s.key, s.turn_index), 0) + 1
         sched = dst.engine.scheduler
-        if len(sched.running) + m._inbound_turns[dst.address] >= sched.config.max_num_seqs:
+        if len(sched.running) + m.planner.promised_turns(dst.address) >= sched.config.max_num_seqs:
             into_full.append(s.key)
         return move(m, src, dst, s, queued)
 

@@ -86,6 +86,7 @@ async def test_a_moved_session_takes_its_context_along_and_hits_there(start_engi
         assert rt.mover is not None
         st = rt.mover.stats
         assert (st.num_moves, st.num_failed) == (1, 0)
+        assert rt.mover.planner.num_in_flight == 0  # the move's promise on b ended with it
         assert st.num_tokens >= 400 and st.num_bytes > 0 and st.move_s > 0
         # The context arrived whole: every token of the first turn's context hits on b (but the last
         # generated one, whose KV the second turn writes).
@@ -137,6 +138,7 @@ async def test_a_failed_move_leaves_the_context_usable_at_its_source(start_engin
             assert (stats.num_moves, stats.num_failed, stats.num_skipped) == (0, 0, 1)
         else:  # tried (a node the router still has, or has no state of), and it failed
             assert (stats.num_moves, stats.num_failed) == (0, 1)
+        assert rt.mover.planner.num_in_flight == 0 and rt.mover.planner.promised_blocks(b.address) == 0
         # Still whole at the source: the next turn there finds every token.
         script.target = a.address
         again = await rt.generate(PROGRAM, LLMInput("s2", prompt + first.token_ids + [9], max_new_tokens=2))
@@ -194,6 +196,7 @@ async def test_a_queued_turn_moves_with_its_context_to_a_node_with_room(start_en
         assert rt.mover is not None
         assert second.node == b.address, (rt.mover.stats, hog_done)
         assert rt.mover.stats.num_queued_moves == 1 and not rt.mover.stats.num_failed
+        assert rt.mover.planner.num_in_flight == 0
         assert second.num_cached_tokens >= 288 and not second.num_recomputed_tokens
         assert not hog_done  # it moved while the long turn still ran on a
     finally:

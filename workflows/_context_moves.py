@@ -17,8 +17,9 @@ once the destination has committed the copy; docs/failures.md says what each fai
   move that fails sends the turn back to its own node (where its context still is), at the end of the line.
 
 Moves are checked every ``check_s`` while a turn waits for its first token, from the router's view of the
-nodes (their ``WatchCacheState`` streams): a node's ``free_blocks`` less what moves on their way there were
-promised is its room.  The time a turn spent before a move counts in its TTFT and queue wait.
+nodes (their ``WatchCacheState`` streams).  What decides is the core's ``orchestrator.MovePlanner``, as in the
+replay: a node's ``free_blocks`` less what the moves on their way there were promised is its room, and
+every move begun there ends there, done or failed, on every path (a cancelled call too).  The time a turn spent before a move counts in its TTFT and queue wait.
 """
 
 from __future__ import annotations
@@ -27,41 +28,25 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from hints import ContextMove, ContextMoveError, EngineClient, GenerateResult, VllmClient, move_context
-from orchestrator import NodeRoom, QueuedTurn, Router, move_target, take_context_along
+from orchestrator import MovePlanner, MoveStats, NodeRoom, PlannedMove, QueuedTurn, Router
 
-__all__ = ["ContextMover", "MoveStats"]
+__all__ = ["ContextMover"]
 
 logger = logging.getLogger(__name__)
 
 _UNBOUNDED_SLOTS = 1 << 20  # a node's CacheState does not say how many sequences it admits: room decides
 
 
-@dataclass
-class MoveStats:
-    """What the runtime's moves did, for reports."""
-
-    num_moves: int = 0  # routed and queued, done
-    num_queued_moves: int = 0  # of which queued turns moved to a node with room
-    num_failed: int = 0
-    num_skipped: int = 0  # routed moves not tried: recomputing was expected to be quicker
-    num_tokens: int = 0
-    num_bytes: int = 0
-    move_s: float = 0.0  # summed over the moves done
-
-
 class ContextMover:
-    """Decides and runs the moves; one per runtime.  ``pin_ttl_s``: how long the destination keeps a copy
-    pinned for the turn on its way (sent right after the commit)."""
+    """Runs the moves the core's ``MovePlanner`` decides; one per runtime.  ``pin_ttl_s``: how long the
+    destination keeps a copy pinned for the turn on its way (sent right after the commit)."""
 
-    window = 16  # recent moves the seconds-per-token estimate is taken over
     abort_wait_s = 1.0  # a cancelled waiting turn is aborted on its node within milliseconds; this at most
 
     def __init__(
@@ -78,9 +63,7 @@ class ContextMover:
                 raise ValueError(f"ContextMover: {name} must be finite and > 0, got {value!r}")
         self.router, self.clients = router, clients
         self.pin_ttl_s, self.check_s = pin_ttl_s, check_s
-        self.stats = MoveStats()
-        self._recent: deque[tuple[int, float]] = deque(maxlen=self.window)  # (tokens, seconds) per move
-        self._inbound_blocks: dict[str, int] = {}  # destination -> blocks promised to moves in flight
+        self.planner = MovePlanner()  # the promises to moves on their way, the moves' counts and rate
         self._m_moves = Counter(
             "hintflow_context_moves_total",
             "Contexts the runtime moved (or tried to) between nodes, by kind (routed, queued) and outcome "
@@ -93,16 +76,13 @@ class ContextMover:
             "hintflow_context_move_seconds_total", "Time the moves done took, summed", registry=registry
         )
 
-    # ---- the estimate ---------------------------------------------------------------------------------
-    def _measured_s_per_token(self) -> float | None:
-        """Seconds per token of the recent moves (None before the first)."""
-        if not self._recent:
-            return None
-        return sum(s for _, s in self._recent) / max(1, sum(n for n, _ in self._recent))
+    @property
+    def stats(self) -> MoveStats:
+        return self.planner.stats
 
     def s_per_token(self, src: str) -> float:
         """Seconds per token of the recent moves; before the first, ``src``'s host reload rate."""
-        measured = self._measured_s_per_token()
+        measured = self.planner.measured_s_per_token()
         return measured if measured is not None else self.router.host_reload_s(src)
 
     # ---- routed moves ---------------------------------------------------------------------------------
@@ -116,11 +96,12 @@ class ContextMover:
         if not self._embedded(src, dst) or not num_tokens:
             return False
         room = self._room(dst) or NodeRoom(dst, 0, _UNBOUNDED_SLOTS, _UNBOUNDED_SLOTS, 1)  # no state: tried
-        if not take_context_along(num_tokens, need_tokens, room, self._measured_s_per_token(), recompute_s(num_tokens)):
-            self.stats.num_skipped += 1
+        measured = self.planner.measured_s_per_token()
+        if not self.planner.take_along(num_tokens, need_tokens, room, measured, recompute_s(num_tokens)):
             self._m_moves.labels("routed", "skipped").inc()
             return False
-        return await self._move("routed", src, dst, session_id, 0) is not None
+        planned = self.planner.begin("routed", session_id, src, dst, self._need_blocks(dst, need_tokens))
+        return await self._move(planned) is not None
 
     # ---- queued moves ---------------------------------------------------------------------------------
     async def run_turn(
@@ -168,11 +149,7 @@ class ContextMover:
             num_moves += 1
             self.router.finished(address, session_id)
             need = self._need_blocks(dst, len(prompt) + max_new_tokens)
-            self._inbound_blocks[dst] = self._inbound_blocks.get(dst, 0) + need
-            try:
-                moved = await self._move("queued", address, dst, session_id, num_moves)
-            finally:
-                self._inbound_blocks[dst] -= need
+            moved = await self._move(self.planner.begin("queued", session_id, address, dst, need))
             if moved is not None:
                 address = dst
             # (else it goes back to its own node, where its context still is)
@@ -212,14 +189,14 @@ class ContextMover:
             num_moves=num_moves,
         )
         rooms = [r for a in self.clients if a != address and self._embedded(a) and (r := self._room(a)) is not None]
-        return move_target(turn, rooms, self.s_per_token(address))
+        return self.planner.queued_target(turn, rooms, self.s_per_token(address))
 
     def _room(self, address: str) -> NodeRoom | None:
+        """The node as its last cache state shows it (the planner takes off what moves were promised)."""
         st = self.router.node_state(address)
         if st is None:
             return None
-        room = st.free_blocks - self._inbound_blocks.get(address, 0)
-        return NodeRoom(address, st.num_waiting, _UNBOUNDED_SLOTS, room, max(1, st.block_size))
+        return NodeRoom(address, st.num_waiting, _UNBOUNDED_SLOTS, st.free_blocks, max(1, st.block_size))
 
     def _need_blocks(self, address: str, num_tokens: int) -> int:
         st = self.router.node_state(address)
@@ -229,7 +206,25 @@ class ContextMover:
     def _embedded(self, *addresses: str) -> bool:
         return all(isinstance(self.clients.get(a), EngineClient) for a in addresses)
 
-    async def _move(self, kind: str, src: str, dst: str, session_id: str, attempt: int) -> ContextMove | None:
+    async def _move(self, planned: PlannedMove) -> ContextMove | None:
+        """Carry out ``planned`` (begun with the planner) and end it there, done or failed, on every path."""
+        try:
+            move = await self._stream(planned.kind, planned.src, planned.dst, planned.session_id)
+        except BaseException:  # cancelled mid-move: the promise ends all the same
+            self.planner.failed(planned)
+            raise
+        if move is None:
+            self.planner.failed(planned)
+            self._m_moves.labels(planned.kind, "failed").inc()
+            return None
+        self.planner.done(planned, move.num_tokens, move.num_bytes, move.elapsed_s)
+        self._m_moves.labels(planned.kind, "done").inc()
+        self._m_bytes.inc(move.num_bytes)
+        self._m_seconds.inc(move.elapsed_s)
+        return move
+
+    async def _stream(self, kind: str, src: str, dst: str, session_id: str) -> ContextMove | None:
+        """The context streamed from ``src`` to ``dst`` (``hints.move_context``), or None if it stayed."""
         src_client, dst_client = self.clients[src], self.clients[dst]
         assert isinstance(src_client, EngineClient) and isinstance(dst_client, EngineClient)
         deadline_s = time.monotonic() + self.abort_wait_s
@@ -251,17 +246,6 @@ class ContextMover:
                 ):  # the cancelled request is not aborted on the node yet: its session is still waiting
                     await asyncio.sleep(0.01)
                     continue
-                self.stats.num_failed += 1
-                self._m_moves.labels(kind, "failed").inc()
                 logger.info("session %s: context not moved %s -> %s (%s)", session_id, src, dst, exc)
                 return None
-        self.stats.num_moves += 1
-        self.stats.num_queued_moves += kind == "queued"
-        self.stats.num_tokens += move.num_tokens
-        self.stats.num_bytes += move.num_bytes
-        self.stats.move_s += move.elapsed_s
-        self._recent.append((move.num_tokens, move.elapsed_s))
-        self._m_moves.labels(kind, "done").inc()
-        self._m_bytes.inc(move.num_bytes)
-        self._m_seconds.inc(move.elapsed_s)
         return move
