@@ -280,8 +280,10 @@ class Simulation:
         moved_from = None
         if node is None:
             address, moved_from = self._route(s, prompt)
-        else:
+        else:  # a restore: ThunderAgent chose the node, and the router follows the session there
             address = node.address
+            if len(self.nodes) > 1:  # (one node: nothing routed, as in _route)
+                self.router.started(address, self.route_request(s, prompt))
         s.prompt, s.migrated_tokens, s.num_moves = prompt, 0, 0
         src = self.by_address[moved_from] if moved_from is not None else None
         dst = self.by_address[address]

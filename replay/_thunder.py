@@ -6,7 +6,8 @@ its prompt; in a tool: its context, halved per second in the tool) and pauses, r
 Here a pause drops the context's device KV at once (``KVCacheManager._drop_device``, the call the engine
 makes for a finished vLLM-style turn: the replay has no engine-level pause; the live shells push
 ``thunder_pause_hints`` instead), a restore starts the held turn on the node the controller chose (any
-replica: the global queue is what lets a program move), and new programs are admitted at once, as vLLM
+replica: the global queue is what lets a program move; the router follows the session there, so its next
+turns go where its context now is), and new programs are admitted at once, as vLLM
 would; only paused sessions go through the global queue.
 """
 
