@@ -5,7 +5,8 @@
 REAL.json is a ``hintflow replay --backend vllm --json`` report with a ``vanilla`` row (same trace, same
 pool, one sitting); ``MODE+host`` rows are predicted on a node with the report's host tier and compared
 with ``vanilla+host`` (the stock scheduler with the same tier), which the report must have too; their
-nodes' host tier is write-through with LRU drops (``host_write_through``), as the real connector's is. Step 1 fits the replay's cost model to this machine: the ``cpu-vllm-tiny`` profile
+nodes' host tier saves as the real connector did (``--host-save``: on eviction, or write-through with
+LRU drops). Step 1 fits the replay's cost model to this machine: the ``cpu-vllm-tiny`` profile
 with its re-prefill and decode-step costs chosen on a grid so that the replayed ``vllm-default`` matches
 the measured ``vanilla`` (mean and p90 JCT, TTFT p50), as ``cpu-vllm-tiny`` itself was calibrated on
 another machine (a VM three times faster makes a different operating point, not only a faster one).
@@ -42,9 +43,11 @@ MIRRORS = {
     "kvflow": f"node.kvflow=kvflow:{NODE.replace('aging_s=3', 'aging_s=0')}",  # KVFlow's mode: request FCFS
     "thunderagent": f"node.thunderagent=thunderagent:{NODE}",  # with its controller, as the harness runs it
 }
-HOST = "host_tier=true,host_write_through=true"
-"""A ``+host`` mode's node: the real one runs hintflow's host connector (write-through, LRU), and so
-does the stock scheduler's (``vanilla+host``)."""
+HOST = {"evict": "host_tier=true", "write-through": "host_tier=true,host_write_through=true"}
+"""A ``+host`` mode's node, by how the real run's host connector saved blocks (``--host-save``; the stock
+scheduler's ``vanilla+host`` runs the same connector): when the device evicts them (the connector's
+default since 2026-12-03; the replay's own tier does the same), or write-through as they fill, least
+recently used chains dropped first (the sittings before)."""
 """Each real mode as the replay's configuration of one embedded node that runs the same rules."""
 KEYS = ("jct_mean_s", "jct_p90_s", "ttft_p50_s")
 PREFILL_S_PER_TOKEN = [5e-5 * 1.25**i for i in range(12)]  # 5e-5 .. 5.8e-4
@@ -60,15 +63,15 @@ def _setup(real: dict[str, Any], cost_model: str, *, host: bool = False) -> Repl
                        host_capacity_tokens=(cfg.get("host_capacity_tokens") or 0) if host else 0)  # fmt: skip
 
 
-def _mirror(mode: str) -> str:
+def _mirror(mode: str, host_save: str = "evict") -> str:
     """The replay spec of a real mode; ``BASE+host`` is BASE's node with a host tier (named apart)."""
     if mode in MIRRORS:
         return MIRRORS[mode]
     base = mode.removesuffix("+host")
     spec = MIRRORS[base]
     if "=" in spec:
-        return spec.replace(f"node.{base}=", f"node.{mode}=", 1) + f",{HOST}"
-    return f"node.{mode}={spec}:{HOST}"
+        return spec.replace(f"node.{base}=", f"node.{mode}=", 1) + f",{HOST[host_save]}"
+    return f"node.{mode}={spec}:{HOST[host_save]}"
 
 
 def _reference(mode: str) -> str:
@@ -92,7 +95,9 @@ def _replay(setup: ReplaySetup, specs: list[str]) -> dict[str, dict[str, float]]
     return report_json(resolved, results)["policies"]  # type: ignore[no-any-return]
 
 
-def calibrate(real: dict[str, Any], tmp: Path, *, host: bool = False) -> tuple[str, dict[str, float], float]:
+def calibrate(
+    real: dict[str, Any], tmp: Path, *, host: bool = False, host_save: str = "evict"
+) -> tuple[str, dict[str, float], float]:
     """The grid point whose replayed stock row is nearest the measured one (log error): ``vanilla``, or with
     ``host`` ``vanilla+host`` on a node with the report's host tier.
 
@@ -104,8 +109,8 @@ def calibrate(real: dict[str, Any], tmp: Path, *, host: bool = False) -> tuple[s
     best: tuple[float, str, dict[str, float]] | None = None
     for i, (b, d) in enumerate(itertools.product(PREFILL_S_PER_TOKEN, DECODE_STEP_S)):
         path = _profile(b, d, tmp / f"p{int(host)}-{i}.json")
-        got = _replay(_setup(real, path, host=host), [_mirror(ref)])
-        got = next(iter(got.values()))
+        rows = _replay(_setup(real, path, host=host), [_mirror(ref, host_save)])
+        got = next(iter(rows.values()))
         err = sum(math.log(got[k] / target[k]) ** 2 for k in KEYS)
         if best is None or err < best[0]:
             best = (err, path, got)
@@ -117,11 +122,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("real", type=Path)
     ap.add_argument("--json", dest="json_out", type=Path)
+    ap.add_argument("--host-save", choices=sorted(HOST), default="evict",
+                    help="how the real run's host connector saved blocks (HINTFLOW_HOST_SAVE) [evict]")
     a = ap.parse_args()
     real = json.loads(a.real.read_text())
     modes = [m for m in real["policies"] if m.removesuffix("+host") in MIRRORS]
-    if "vanilla" not in modes:
-        raise SystemExit(f"{a.real}: no vanilla row to calibrate on")
+    if not any(m in modes for m in ("vanilla", "vanilla+host")):
+        raise SystemExit(f"{a.real}: no vanilla or vanilla+host row to calibrate on")
     modes = [m for m in modes if _reference(m) in modes]  # a ratio needs its stock row from the same run
     pred: dict[str, dict[str, float]] = {}
     fits: dict[str, Any] = {}
@@ -130,13 +137,13 @@ def main() -> None:
             group = [m for m in modes if m.endswith("+host") == host]
             if not group:
                 continue
-            path, fit, rms = calibrate(real, Path(tmp), host=host)
+            path, fit, rms = calibrate(real, Path(tmp), host=host, host_save=a.host_save)
             profile = json.loads(Path(path).read_text())
             fits[_reference(group[0])] = profile
             print(f"fitted to {_reference(group[0])}: prefill {profile['prefill_b_s_per_token']:.3g} s/token, "
                   f"decode step {profile['decode_base_s']} s (replayed {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s "
                   f"JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
-            specs = [_mirror(m) for m in group]
+            specs = [_mirror(m, a.host_save) for m in group]
             got = _replay(_setup(real, path, host=host), specs)
             names = [s.partition("=")[0] if "=" in s else s for s in specs]
             pred.update({m: got[n] for m, n in zip(group, names, strict=True)})

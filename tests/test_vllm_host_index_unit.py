@@ -131,3 +131,7 @@ def test_host_tier_config_names_the_connector() -> None:
     assert cfg["kv_connector_extra_config"] == {"host_capacity_tokens": 4096}
     with pytest.raises(ValueError, match="host_capacity_tokens must be positive"):
         host_tier_config(0)
+    # when blocks go to the host: named, or left to the server (HINTFLOW_HOST_SAVE, else on eviction)
+    assert host_tier_config(4096, "write-through")["kv_connector_extra_config"]["host_save"] == "write-through"
+    with pytest.raises(ValueError, match="host_save must be one of evict, write-through; got 'sideways'"):
+        host_tier_config(4096, "sideways")

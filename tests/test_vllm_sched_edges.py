@@ -273,7 +273,7 @@ def _bad_ids(model: str) -> dict[str, Any]:
 
 
 def _host_tier(model: str) -> dict[str, Any]:
-    """The connector's scheduler side alone: a 6-block turn into a 4-slot host tier, then another turn."""
+    """The connector's scheduler side alone, write-through: a 6-block turn into a 4-slot host tier, then another."""
     from vllm.config import KVTransferConfig  # type: ignore[import-not-found]
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # type: ignore[import-not-found]
     from vllm.engine.arg_utils import EngineArgs  # type: ignore[import-not-found]
@@ -283,7 +283,7 @@ def _host_tier(model: str) -> dict[str, Any]:
 
     args = EngineArgs(
         model=model, dtype="float32", enforce_eager=True, max_model_len=2048,
-        kv_transfer_config=KVTransferConfig(**host_tier_config(4 * BS)),
+        kv_transfer_config=KVTransferConfig(**host_tier_config(4 * BS, "write-through")),
     )  # fmt: skip
     tier = HintflowHostTier(args.create_engine_config(), KVConnectorRole.SCHEDULER, None)
     step = SimpleNamespace(num_scheduled_tokens={})

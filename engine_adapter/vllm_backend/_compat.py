@@ -129,12 +129,15 @@ HOST_TIER_REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
         "vllm.v1.request",
         ("request_id", "block_hashes", "num_tokens", "num_computed_tokens", "num_in_flight_tokens"),
     ),
-    "KVCacheManager": ("vllm.v1.core.kv_cache_manager", ("get_block_ids",)),
+    "KVCacheManager": ("vllm.v1.core.kv_cache_manager", ("get_block_ids", "block_pool")),
+    # the evict mode's hook: what the pool evicts, by the hash it had
+    "BlockPool": ("vllm.v1.core.block_pool", ("_maybe_evict_cached_block",)),
+    "KVCacheBlock": ("vllm.v1.core.kv_cache_utils", ("block_id", "block_hash")),
     "KVCacheBlocks": ("vllm.v1.core.kv_cache_manager", ("get_block_ids",)),
     "KVCacheConfig": ("vllm.v1.kv_cache_interface", ("num_blocks",)),
     "CacheConfig": ("vllm.config", ("block_size", "enable_prefix_caching")),
     "KVTransferConfig": ("vllm.config", ("kv_connector_extra_config",)),
-    "SchedulerOutput": ("vllm.v1.core.sched.output", ("num_scheduled_tokens",)),
+    "SchedulerOutput": ("vllm.v1.core.sched.output", ("num_scheduled_tokens", "has_sync_kv_loads")),
     "KVConnectorOutput": ("vllm.v1.outputs", ("finished_sending",)),
 }  # fmt: skip
 """The vLLM internals the host KV tier (``_host_connector.HintflowHostTier``) relies on, checked when it is

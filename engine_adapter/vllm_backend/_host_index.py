@@ -28,9 +28,19 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CONNECTOR_MODULE", "HOST_RELOAD_S_PER_TOKEN", "HostIndex", "HostIndexStats", "host_tier_config"]
+__all__ = [
+    "CONNECTOR_MODULE",
+    "HOST_RELOAD_S_PER_TOKEN",
+    "HOST_SAVE_MODES",
+    "HostIndex",
+    "HostIndexStats",
+    "host_tier_config",
+]
 
 CONNECTOR_MODULE = "engine_adapter.vllm_backend._host_connector"
+
+HOST_SAVE_MODES = ("evict", "write-through")
+"""When a block is copied to the host tier: when the device evicts it (the default), or as it fills."""
 
 HOST_RELOAD_S_PER_TOKEN = 2e-6
 """Default cost of copying one token's KV back from the host tier, for pricing inferred pins when the
@@ -38,15 +48,22 @@ node has one (``HINTFLOW_HOST_RELOAD_S_PER_TOKEN``): an 8B model's 128 KiB per t
 PCIe 5; a CPU build copies within memory, faster still. Either way a pin rarely pays for itself."""
 
 
-def host_tier_config(host_capacity_tokens: int) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` value that enables this connector with a host buffer of N tokens."""
+def host_tier_config(host_capacity_tokens: int, host_save: str | None = None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` value that enables this connector with a host buffer of N tokens,
+    filled as ``host_save`` says (``HOST_SAVE_MODES``; None: the server's ``HINTFLOW_HOST_SAVE``, else
+    ``evict``)."""
     if host_capacity_tokens < 1:
         raise ValueError(f"host_capacity_tokens must be positive, got {host_capacity_tokens}")
+    extra: dict[str, Any] = {"host_capacity_tokens": int(host_capacity_tokens)}
+    if host_save is not None:
+        if host_save not in HOST_SAVE_MODES:
+            raise ValueError(f"host_save must be one of {', '.join(HOST_SAVE_MODES)}; got {host_save!r}")
+        extra["host_save"] = host_save
     return {
         "kv_connector": "HintflowHostTier",
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"host_capacity_tokens": int(host_capacity_tokens)},
+        "kv_connector_extra_config": extra,
     }
 
 
