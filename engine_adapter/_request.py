@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ._prefix_plan import PlanMemo
+from ._queue_place import queue_place
 from ._session import Session
 
 __all__ = ["Request", "RequestState"]
@@ -87,9 +88,7 @@ class Request:
         if self.overdue:  # after preempted requests, before everything else, by arrival
             return (0 if self.preempted else 1, -1, -1, self.arrival_s, self.arrival_s, self._seq)
         s = self.session
-        pinned = s.pin_deadline_s is not None
         prio = self.priority if self.priority is not None else s.priority_class
         start = s.program_start_s if s.program_start_s is not None else self.arrival_s
-        if aging_s is not None:
-            start = max(start, self.arrival_s - aging_s)
-        return (0 if self.preempted else 1, 0 if pinned else 1, prio, start, self.arrival_s, self._seq)
+        band, start = queue_place(start, self.arrival_s, pinned=s.pin_deadline_s is not None, aging_s=aging_s)
+        return (0 if self.preempted else 1, band, prio, start, self.arrival_s, self._seq)

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import TypeAdapter, ValidationError
 
+from engine_adapter._queue_place import queue_place
 from hints import OptionalProgramId, SessionId, new_node_epoch
 from predictors import HostHitShare
 
@@ -271,12 +272,12 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         arrived = self._req_start.get(request_id, self.book.clock()) if request_id is not None else self.book.clock()
         if request_id is not None:
             self._req_start.setdefault(request_id, arrived)
-        start = max(start, arrived - self.aging_s)  # bounded head start: no starvation
+        pinned = self.pinned_first and s.pin_deadline_s is not None
+        band, start = queue_place(start, arrived, pinned=pinned, aging_s=self.aging_s)
         # Clamped as a float before int(): under strict FCFS (aging inf) a hinted age reaches back without
         # bound, and int() of a huge float is a huge int (or OverflowError near the float's limit).
         ms = (start - self._epoch_s + 86400.0) * 1000.0  # + a day: hinted ages reach back
         ms = min(ms, float(PRIORITY_SCALE - 1)) if ms >= 0.0 else 0.0  # NaN: 0
-        band = 0 if self.pinned_first and s.pin_deadline_s is not None else 1  # (Request.sort_key's rule)
         return int(major) * CLASS_SCALE + band * PRIORITY_SCALE + int(ms)
 
     def _requeue_priority(self, request: Any) -> int | None:

@@ -1,0 +1,65 @@
+"""Both engines place waiting turns alike (``engine_adapter._queue_place``): program FCFS with aging, and
+pinned turns first.
+
+One scene: program P (started at 0) comes back to a pinned context at t=20; program N's first turn arrived
+at t=10; program Q (started at 1, not pinned) came back at t=12. With aging 3 s Q's place is 9, so: P
+(pinned), Q, N. Without aging (strict program FCFS): P, Q, N too; with aging 1 s Q's place is 11: P, N, Q.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engine_adapter._queue_place import queue_place
+from engine_adapter._request import Request
+from engine_adapter._session import Session
+from engine_adapter.vllm_backend._hint_scheduler import HintSchedulerMixin
+from engine_adapter.vllm_backend._sessions import VSession
+
+SCENE = [  # (program, program start, arrival, pinned)
+    ("P", 0.0, 20.0, True), ("N", 10.0, 10.0, False), ("Q", 1.0, 12.0, False),
+]  # fmt: skip
+
+
+def _embedded_order(aging_s: float) -> list[str]:
+    reqs = []
+    for i, (prog, start, arrival, pinned) in enumerate(SCENE):
+        s = Session(f"{prog}-s", prog, created_s=start, program_start_s=start, pin_deadline_s=99.0 if pinned else None)
+        r = Request(f"r{i}", s, [1, 2, 3], max_new_tokens=1, arrival_s=arrival)
+        r._seq = i
+        reqs.append(r)
+    aging = None if math.isinf(aging_s) else aging_s
+    return [r.session.program_id for r in sorted(reqs, key=lambda r: r.sort_key(aging))]
+
+
+def _vllm_order(aging_s: float) -> list[str]:
+    """``priority_for`` on a stand-in for the scheduler: the attributes it reads, no vLLM engine."""
+    now = {"t": 0.0}
+    host: Any = SimpleNamespace(
+        _priority_policy=lambda: True, _req_start={}, book=SimpleNamespace(clock=lambda: now["t"]),
+        aging_s=aging_s, pinned_first=True, _epoch_s=0.0,
+    )  # fmt: skip
+    keyed = []
+    for i, (prog, start, arrival, pinned) in enumerate(SCENE):
+        s = VSession(f"{prog}-s", prog, first_seen_s=start, last_active_s=arrival, program_start_s=start)
+        s.pin_deadline_s = 99.0 if pinned else None
+        now["t"] = arrival
+        keyed.append((HintSchedulerMixin.priority_for(host, s, 0, f"r{i}"), prog))
+    return [prog for _, prog in sorted(keyed)]
+
+
+@pytest.mark.parametrize(("aging_s", "order"), [(3.0, ["P", "Q", "N"]), (math.inf, ["P", "Q", "N"]), (1.0, ["P", "N", "Q"])])
+def test_both_engines_order_the_scene_alike(aging_s: float, order: list[str]) -> None:
+    assert _embedded_order(aging_s) == order
+    assert _vllm_order(aging_s) == order
+
+
+def test_the_place_itself() -> None:
+    assert queue_place(0.0, 20.0, pinned=False) == (1, 0.0)  # strict program FCFS
+    assert queue_place(0.0, 20.0, pinned=False, aging_s=3.0) == (1, 17.0)
+    assert queue_place(0.0, 20.0, pinned=True, aging_s=3.0) == (0, 17.0)
+    assert queue_place(5.0, 20.0, pinned=True, aging_s=math.inf) == (0, 5.0)
