@@ -29,18 +29,23 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine_adapter.vllm_backend import AGING_S, PIN_BUDGET
 from replay import ReplaySetup, get_replay_config, parse_variant, report_json, run_replay
 
-NODE = "pin_budget=0.7,scheduler.program_fcfs_aging_s=3,yield_pins=true,cold_prefill_cap=false,migrate=false"
-"""Every hintflow vLLM node: pin budget 0.7, program FCFS with 3 s of head start at most, pins yielding to
-older programs' turns, no cold-prefill cap (vLLM has none), one node."""
+NODE = (
+    f"pin_budget={PIN_BUDGET},scheduler.program_fcfs_aging_s={AGING_S},yield_pins=true,cold_prefill_cap=false,"
+    "migrate=false"
+)
+"""Every hintflow vLLM node with the vLLM node's defaults: its pin budget, program FCFS with its aging bound
+of head start at most, pins yielding to older programs' turns, no cold-prefill cap (vLLM has none), one
+node."""
 MIRRORS = {
     "vanilla": "vllm-default",
     "hintflow-infer": f"node.hintflow-infer=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru",
     "hintflow-infer-pid": f"node.hintflow-infer-pid=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru",
     "hintflow-orchestrator": f"node.hintflow-orchestrator=hintflow:{NODE}",
     "continuum": f"node.continuum=continuum:{NODE}",
-    "kvflow": f"node.kvflow=kvflow:{NODE.replace('aging_s=3', 'aging_s=0')}",  # KVFlow's mode: request FCFS
+    "kvflow": f"node.kvflow=kvflow:{NODE.replace(f'aging_s={AGING_S}', 'aging_s=0')}",  # KVFlow's mode: request FCFS
     "thunderagent": f"node.thunderagent=thunderagent:{NODE}",  # with its controller, as the harness runs it
 }
 HOST = {"evict": "host_tier=true", "write-through": "host_tier=true,host_write_through=true"}

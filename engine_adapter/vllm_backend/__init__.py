@@ -20,6 +20,10 @@ if TYPE_CHECKING:
         check_vllm_python,
         missing_internals,
     )
+    from engine_adapter.vllm_backend._hint_scheduler import (
+        AGING_S,
+        PIN_BUDGET,
+    )
     from engine_adapter.vllm_backend._host_index import (
         HOST_RELOAD_S_PER_TOKEN,
         host_tier_config,
@@ -55,6 +59,8 @@ _LAZY: dict[str, str] = {
     "TESTED_VLLM_VERSION": "engine_adapter.vllm_backend._compat",
     "check_vllm_python": "engine_adapter.vllm_backend._compat",
     "missing_internals": "engine_adapter.vllm_backend._compat",
+    "AGING_S": "engine_adapter.vllm_backend._hint_scheduler",
+    "PIN_BUDGET": "engine_adapter.vllm_backend._hint_scheduler",
     "HOST_RELOAD_S_PER_TOKEN": "engine_adapter.vllm_backend._host_index",
     "host_tier_config": "engine_adapter.vllm_backend._host_index",
     "KvResidency": "engine_adapter.vllm_backend._kv_events",
@@ -75,9 +81,11 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "AGING_S",
     "ASYNC_SCHEDULER_CLS",
     "AUTO_SCHEDULER_CLS",
     "HOST_RELOAD_S_PER_TOKEN",
+    "PIN_BUDGET",
     "REPO",
     "SCHEDULER_CLS",
     "TESTED_VLLM_VERSION",
