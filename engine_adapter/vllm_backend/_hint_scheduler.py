@@ -90,8 +90,8 @@ _PROGRAM_ID: TypeAdapter[str] = TypeAdapter(OptionalProgramId)
 AGING_S = 1.0
 """Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
 first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
-for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, five pairs on two traces: mean JCT
-the same or better, p99 TTFT 8-25% lower in four, the same in one (docs/benchmarks.md)."""
+for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, six pairs on two traces: p99 TTFT
+9-32% lower in five, the same in one; mean JCT within 5% or 13-19% lower (docs/benchmarks.md)."""
 PIN_BUDGET = 0.7
 """Default share of the pool pins may hold. 0.5 held ~4 of ~30 live contexts under overload; with the
 admission guard limiting how many programs are in flight, and the yield and deadlock rules returning
