@@ -32,10 +32,15 @@ from typing import Any
 from engine_adapter.vllm_backend import AGING_S, PIN_BUDGET
 from replay import ReplaySetup, get_replay_config, parse_variant, report_json, run_replay
 
-NODE = (
-    f"pin_budget={PIN_BUDGET},scheduler.program_fcfs_aging_s={AGING_S},yield_pins=true,cold_prefill_cap=false,"
-    "migrate=false"
-)
+
+def _node(aging_s: float) -> str:
+    return (
+        f"pin_budget={PIN_BUDGET},scheduler.program_fcfs_aging_s={aging_s},yield_pins=true,"
+        "cold_prefill_cap=false,migrate=false"
+    )
+
+
+NODE = _node(AGING_S)
 """Every hintflow vLLM node with the vLLM node's defaults: its pin budget, program FCFS with its aging bound
 of head start at most, pins yielding to older programs' turns, no cold-prefill cap (vLLM has none), one
 node."""
@@ -45,7 +50,7 @@ MIRRORS = {
     "hintflow-infer-pid": f"node.hintflow-infer-pid=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru",
     "hintflow-orchestrator": f"node.hintflow-orchestrator=hintflow:{NODE}",
     "continuum": f"node.continuum=continuum:{NODE}",
-    "kvflow": f"node.kvflow=kvflow:{NODE.replace(f'aging_s={AGING_S}', 'aging_s=0')}",  # KVFlow's mode: request FCFS
+    "kvflow": f"node.kvflow=kvflow:{_node(0)}",  # KVFlow's mode: request FCFS
     "thunderagent": f"node.thunderagent=thunderagent:{NODE}",  # with its controller, as the harness runs it
 }
 HOST = {"evict": "host_tier=true", "write-through": "host_tier=true,host_write_through=true"}
