@@ -8,6 +8,7 @@ so one module owns it.  A chunk's bytes are ``kv_shape(k)``'s layout for its ``k
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,12 +16,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hints import engine_pb2
+
 from ._executor import ScheduledBatch
 
 if TYPE_CHECKING:
     from ._engine import EngineCore
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "ContextHeader", "flush_copies", "join_blocks"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "ContextHeader", "flush_copies", "header_from_proto",
+    "header_to_proto", "join_blocks",
+]  # fmt: skip
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 """KV bytes per chunk when the reader names none: small next to a context, large next to a message's cost."""
@@ -42,6 +48,17 @@ class ContextHeader:
     shape: tuple[int, ...]  # the whole context's KV as one tensor, ``kv_shape(num_blocks)``
     num_blocks: int
     pin_ttl_s: float = 0.0  # the receiver pins the committed context this long (0: no pin)
+
+
+def header_to_proto(h: ContextHeader) -> engine_pb2.ContextHeader:
+    """The wire form; both nodes' servers send it (same field names: a field added to one side and not the
+    other fails loudly here)."""
+    return engine_pb2.ContextHeader(**{**vars(h), "shape": list(h.shape)})
+
+
+def header_from_proto(pb: engine_pb2.ContextHeader) -> ContextHeader:
+    fields = {f.name: getattr(pb, f.name) for f in dataclasses.fields(ContextHeader)}
+    return ContextHeader(**{**fields, "token_ids": list(pb.token_ids), "shape": tuple(pb.shape)})
 
 
 def join_blocks(kv_shape: Callable[[int], tuple[int, ...]], parts: list[tuple[bytes, int]]) -> bytes:

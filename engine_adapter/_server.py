@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import threading
@@ -52,8 +51,8 @@ from hints import (
     stale_batch_results,
 )
 
-from ._context_blocks import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
-from ._engine import ContextHeader, EngineCore, EngineError, InvalidArgument
+from ._context_blocks import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, header_from_proto, header_to_proto
+from ._engine import EngineCore, EngineError, InvalidArgument
 from ._metrics import EngineMetrics
 from ._scheduler import Request
 
@@ -264,7 +263,7 @@ class EngineNodeServicer(engine_pb2_grpc.EngineNodeServicer):
                 lambda: self.core.begin_export(request.session_id, chunk_bytes), lambda e: e.close()
             )
             try:
-                await self._send(context, engine_pb2.ContextChunk(header=_header_to_proto(export.header)))
+                await self._send(context, engine_pb2.ContextChunk(header=header_to_proto(export.header)))
                 while (chunk := await asyncio.to_thread(export.read_chunk)) is not None:
                     data, num_blocks = chunk
                     await self._send(context, engine_pb2.ContextChunk(kv_data=data, num_blocks=num_blocks))
@@ -278,7 +277,7 @@ class EngineNodeServicer(engine_pb2_grpc.EngineNodeServicer):
             first = await self._receive(context)
             if first is None or not first.HasField("header"):
                 raise InvalidArgument("the first chunk of ImportContext must carry the context's header")
-            header = _header_from_proto(first.header)
+            header = header_from_proto(first.header)
             imp = await _owned(lambda: self.core.begin_import(header), lambda i: i.abort())
             try:
                 # The header's ack: the blocks are reserved, so the mover may stream the KV now.  A refusal
@@ -328,16 +327,6 @@ class EngineNodeServicer(engine_pb2_grpc.EngineNodeServicer):
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"the sender sent no chunk for {self.transfer_stall_s:g} s"
             )
         return None if msg is grpc.aio.EOF else msg
-
-
-def _header_to_proto(h: ContextHeader) -> engine_pb2.ContextHeader:
-    # Same field names on both sides: a field added to one and not the other fails loudly here.
-    return engine_pb2.ContextHeader(**{**vars(h), "shape": list(h.shape)})
-
-
-def _header_from_proto(pb: engine_pb2.ContextHeader) -> ContextHeader:
-    fields = {f.name: getattr(pb, f.name) for f in dataclasses.fields(ContextHeader)}
-    return ContextHeader(**{**fields, "token_ids": list(pb.token_ids), "shape": tuple(pb.shape)})
 
 
 async def _owned(begin: Callable[[], _T], end: Callable[[_T], None]) -> _T:

@@ -137,7 +137,9 @@ def _shared_spec() -> ServerSpec:
     return ServerSpec(
         "shared", flags,
         # strict program FCFS: the Priority test's hour-old program must not be clamped to the 3 s aging
-        env={"HINTFLOW_PRIORITY_AGING_S": "inf"},
+        # One process runs the model and the scheduler (UniProcExecutor): context moves read and write its
+        # KV there (the CPU build runs the model in a worker process otherwise; see _context_moves)
+        env={"HINTFLOW_PRIORITY_AGING_S": "inf", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         build_kw={"hint_port": free_port(), "metrics_port": free_port(), "pin_budget": 0.6,
                   "infer_hints": False},  # explicit hints only: unhinted sessions are vanilla controls here
         prepare=lambda spec: _subscribe(spec, endpoint),

@@ -83,7 +83,7 @@ class Node:
 
 SERVER = want_server(ServerSpec(
     "infer", ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--num-gpu-blocks-override", "32"],
-    env={"HINTFLOW_INFER_RELOAD_S_PER_TOKEN": "0.1"},
+    env={"HINTFLOW_INFER_RELOAD_S_PER_TOKEN": "0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # (moves: one process)
     build_kw={"hint_port": free_port(), "pin_budget": 0.6, "infer_hints": True},
 ))  # fmt: skip
 

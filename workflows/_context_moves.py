@@ -1,4 +1,4 @@
-"""The live runtime's context moves between embedded nodes: the replay's ``hintflow`` migration, live.
+"""The live runtime's context moves between nodes: the replay's ``hintflow`` migration, live.
 
 Two moves, both streamed from node to node by ``hints.move_context`` (two-phase: the source lets go only
 once the destination has committed the copy; docs/failures.md says what each failure leaves):
@@ -15,6 +15,12 @@ once the destination has committed the copy; docs/failures.md says what each fai
   the same function the replay's migrator calls.  The turn's call is cancelled (the node aborts the
   waiting request, its context stays parked), the context moves, and the turn is sent to the new node.  A
   move that fails sends the turn back to its own node (where its context still is), at the end of the line.
+
+Between vLLM nodes only routed moves run, over their hint services (``vllm_hints``; the node side is
+``engine_adapter/vllm_backend/_context_moves.py``): a queued turn there is an HTTP call the runtime does not
+cancel and re-send. A vLLM node that cannot read its KV (its model runs in other processes) refuses the
+first move with FAILED_PRECONDITION; the runtime then stops asking it, and its sessions are recomputed
+where they go, as before.
 
 Moves are checked every ``check_s`` while a turn waits for its first token, from the router's view of the
 nodes (their ``WatchCacheState`` streams).  What decides is the core's ``orchestrator.MovePlanner``, as in the
@@ -57,12 +63,16 @@ class ContextMover:
         *,
         pin_ttl_s: float = 10.0,
         check_s: float = 0.1,
+        vllm_hints: Mapping[str, str] | None = None,
     ) -> None:
         for name, value in (("pin_ttl_s", pin_ttl_s), ("check_s", check_s)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"ContextMover: {name} must be finite and > 0, got {value!r}")
         self.router, self.clients = router, clients
         self.pin_ttl_s, self.check_s = pin_ttl_s, check_s
+        self._vllm_hints = dict(vllm_hints or {})  # vLLM node -> its hint service (ExportContext, ImportContext)
+        self._hint_clients: dict[str, EngineClient] = {}  # opened on a vLLM node's first move
+        self._cannot_move: set[str] = set()  # vLLM nodes that refused: their KV is in other processes
         self.planner = MovePlanner()  # the promises to moves on their way, the moves' counts and rate
         self._m_moves = Counter(
             "hintflow_context_moves_total",
@@ -93,7 +103,7 @@ class ContextMover:
         finish: prompt and output) was routed, if both are embedded nodes and ``take_context_along`` says
         so; whether it moved (if not, the turn runs cold on ``dst``)."""
         num_tokens = self.router.session_tokens(src, session_id)
-        if not self._embedded(src, dst) or not num_tokens:
+        if self._move_client(src) is None or self._move_client(dst) is None or not num_tokens:
             return False
         room = self._room(dst) or NodeRoom(dst, 0, _UNBOUNDED_SLOTS, _UNBOUNDED_SLOTS, 1)  # no state: tried
         measured = self.planner.measured_s_per_token()
@@ -206,6 +216,38 @@ class ContextMover:
     def _embedded(self, *addresses: str) -> bool:
         return all(isinstance(self.clients.get(a), EngineClient) for a in addresses)
 
+    def _move_client(self, address: str) -> EngineClient | None:
+        """Who serves ``address``'s ExportContext / ImportContext: an embedded node's own client, a vLLM
+        node's hint service; None where contexts cannot move."""
+        client = self.clients.get(address)
+        if isinstance(client, EngineClient):
+            return client
+        hints = self._vllm_hints.get(address)
+        if hints is None or address in self._cannot_move:
+            return None
+        if address not in self._hint_clients:
+            self._hint_clients[address] = EngineClient(hints)
+        return self._hint_clients[address]
+
+    def _note_refusal(self, exc: ContextMoveError, src: str, dst: str) -> None:
+        """A vLLM node that cannot read or write its KV says so once; no move is tried there again."""
+        node = src if exc.phase == "export" else dst
+        if (
+            exc.code == grpc.StatusCode.FAILED_PRECONDITION
+            and node in self._vllm_hints
+            and "other processes" in exc.message
+            and node not in self._cannot_move
+        ):
+            self._cannot_move.add(node)
+            logger.warning("vLLM node %s cannot move contexts (%s): its sessions are recomputed where they go",
+                           node, exc.message)  # fmt: skip
+
+    async def close(self) -> None:
+        """Close the channels opened to vLLM nodes' hint services for moves."""
+        clients, self._hint_clients = self._hint_clients, {}
+        for c in clients.values():
+            await c.close()
+
     async def _move(self, planned: PlannedMove) -> ContextMove | None:
         """Carry out ``planned`` (begun with the planner) and end it there, done or failed, on every path."""
         try:
@@ -225,8 +267,9 @@ class ContextMover:
 
     async def _stream(self, kind: str, src: str, dst: str, session_id: str) -> ContextMove | None:
         """The context streamed from ``src`` to ``dst`` (``hints.move_context``), or None if it stayed."""
-        src_client, dst_client = self.clients[src], self.clients[dst]
-        assert isinstance(src_client, EngineClient) and isinstance(dst_client, EngineClient)
+        src_client, dst_client = self._move_client(src), self._move_client(dst)
+        if src_client is None or dst_client is None:
+            return None
         deadline_s = time.monotonic() + self.abort_wait_s
         while True:
             try:
@@ -246,6 +289,7 @@ class ContextMover:
                 ):  # the cancelled request is not aborted on the node yet: its session is still waiting
                     await asyncio.sleep(0.01)
                     continue
+                self._note_refusal(exc, src, dst)
                 logger.info("session %s: context not moved %s -> %s (%s)", session_id, src, dst, exc)
                 return None
         return move

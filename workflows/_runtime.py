@@ -242,9 +242,10 @@ class HintRuntime:
         )
         self.publishers: dict[str, HintPublisher] = {}
         self.clients: dict[str, EngineClient | VllmClient] = {}
-        # ``migrate``: contexts move between embedded nodes with the turns the router or a queue sends
-        # elsewhere (``_context_moves``: a routed session's, a queued turn's to a node with room)
-        self.mover = ContextMover(self.router, self.clients, self.registry) if migrate else None
+        # ``migrate``: contexts move between nodes with the turns the router or a queue sends elsewhere
+        # (``_context_moves``: a routed session's, a queued turn's to a node with room; vLLM nodes: routed only)
+        vllm_hints = {a: spec.hint_address for a, spec in self.specs.items() if spec.is_vllm}
+        self.mover = ContextMover(self.router, self.clients, self.registry, vllm_hints=vllm_hints) if migrate else None
         self.thunder = (
             LiveThunder(self.core, self._node_states, self._node_of, self.publish, thunder_period_s)
             if thunder_period_s else None
@@ -299,6 +300,8 @@ class HintRuntime:
         await asyncio.gather(*(flush_and_close(p) for p in self.publishers.values()))
         for c in self.clients.values():
             await c.close()
+        if self.mover is not None:
+            await self.mover.close()
 
     async def __aenter__(self) -> HintRuntime:
         await self.start()

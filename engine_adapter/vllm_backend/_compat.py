@@ -65,6 +65,8 @@ _SCHEDULER_NAMES = (
     # state read or re-keyed (_hint_scheduler, _admission, _cache_state, _metrics)
     "vllm_config", "kv_cache_config", "kv_cache_manager", "block_size", "requests", "waiting",
     "kv_holding_waiting", "running", "policy",
+    # context moves (_context_moves): the prefix-cache hashes of imported blocks
+    "hash_block_size",
 )  # fmt: skip
 
 REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -80,8 +82,15 @@ REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     "KVCacheBlocks": ("vllm.v1.core.kv_cache_manager", ("blocks",)),
     "BlockPool": (
         "vllm.v1.core.block_pool",
-        ("enable_caching", "num_gpu_blocks", "free_block_queue", "touch", "free_blocks", "get_num_free_blocks"),
+        ("enable_caching", "num_gpu_blocks", "free_block_queue", "touch", "free_blocks", "get_num_free_blocks",
+         "get_new_blocks", "cache_full_blocks"),  # (the last two: context imports)
     ),
+    # context moves (_context_moves): this process's KV tensors by layer, and the hashes of imported blocks
+    "CompilationConfig": ("vllm.config", ("static_forward_context",)),
+    "CacheConfig": ("vllm.config", ("prefix_caching_hash_algo",)),
+    "ModelConfig": ("vllm.config", ("get_vocab_size", "model", "revision")),
+    "hash_block_tokens": ("vllm.v1.core.kv_cache_utils", ()),
+    "get_hash_fn_by_name": ("vllm.utils.hashing", ()),
     # EvictionOrder and Release move blocks within the free queue (_free_queue)
     "FreeKVCacheBlockQueue": ("vllm.v1.core.kv_cache_utils", ("remove", "prepend_n", "append_n")),
     "KVCacheBlock": ("vllm.v1.core.kv_cache_utils", ("block_id", "block_hash", "ref_cnt", "is_null")),

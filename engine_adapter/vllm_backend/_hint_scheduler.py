@@ -55,10 +55,12 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import TypeAdapter, ValidationError
 
+from engine_adapter._engine_errors import FailedPrecondition
 from engine_adapter._queue_place import queue_place
 from hints import OptionalProgramId, SessionId, new_node_epoch
 from predictors import HostHitShare
@@ -67,6 +69,7 @@ from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, CLASS_SCALE, PRIORITY_SCALE, QueueRules
 from ._async_mode import StepsInFlight, log_async_mode
 from ._compat import check_vllm_internals
+from ._context_moves import KvLayout, kv_layout
 from ._host_index import HOST_RELOAD_S_PER_TOKEN
 from ._infer import HintInference, infer_enabled
 from ._sessions import SessionBook, VSession
@@ -198,6 +201,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # request id -> why admission last let it through; counted once vLLM schedules it (memory may
         # still keep it waiting, and each step would otherwise count it again)
         self._admit_reason: dict[str, str] = {}
+        # context moves (_context_moves): session -> (the context an export sent, its tokens), for the drop
+        self.exported: dict[str, tuple[Any, int]] = {}
+        self._context_layout: KvLayout | None = None
         self.hint_server: HintServer | None = None
         port = os.environ.get("HINTFLOW_HINT_PORT")
         if port:
@@ -305,6 +311,31 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     queue.add_request(r)
                 moved += len(reqs)
         return moved
+
+    # ---- context moves (_context_moves) -----------------------------------------------------------
+    def context_layout(self) -> KvLayout:
+        """This process's KV tensors by layer (FailedPrecondition where the model runs in other processes)."""
+        if self._context_layout is None:
+            if not self.pins_supported:
+                raise FailedPrecondition("context moves need prefix caching and one KV cache group")
+            self._context_layout = kv_layout(self.vllm_config, self.kv_cache_config.num_blocks)
+        return self._context_layout
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.vllm_config.model_config.get_vocab_size())
+
+    def hash_blocks(self, token_ids: Sequence[int]) -> list[Any]:
+        """The prefix-cache hashes this node's requests compute for the full blocks of ``token_ids``."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+        fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        bs, out, parent = self.hash_block_size, [], None
+        for i in range(len(token_ids) // bs):
+            parent = hash_block_tokens(fn, parent, token_ids[i * bs : (i + 1) * bs], None)
+            out.append(parent)
+        return out
 
     # ---- the step --------------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:

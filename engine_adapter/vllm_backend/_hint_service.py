@@ -7,8 +7,9 @@ on the next step with no extra hop and no second copy of state to drift. A plain
 batch under the scheduler's ``hint_lock``, the same lock ``schedule()`` holds, so a hint lands between two
 steps. Per-hint results follow the embedded node (``engine_adapter._engine``): NOT_FOUND for an unknown
 session or program, INVALID_ARGUMENT for a hint that does not decode, and a bad hint never ends the
-stream. Other RPCs of the service (Generate, export/import) answer UNIMPLEMENTED: requests go through
-vLLM's OpenAI server.
+stream. ``ExportContext`` / ``ImportContext`` / ``DropContext`` move a parked session's context between
+vLLM nodes (``_context_moves``: what moves, the leases, and when a node refuses); ``Generate`` answers
+UNIMPLEMENTED: requests go through vLLM's OpenAI server.
 
 ``GetCacheState`` / ``WatchCacheState`` answer from ``_cache_state`` (the state, its version and the watch
 contract). Each open stream holds one thread of the server's pool (``MAX_WORKERS``).
@@ -22,14 +23,22 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from engine_adapter._engine_errors import EngineError
+from engine_adapter._context_blocks import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    header_from_proto,
+    header_to_proto,
+)
+from engine_adapter._engine_errors import EngineError, InvalidArgument
 from engine_adapter._hint_semantics import apply_hint
 from hints import (
+    IMPORT_ACK_KEY,
     EvictionOrder,
     HintAck,
     HintDecodeError,
@@ -38,11 +47,13 @@ from hints import (
     ack_to_proto,
     batch_from_proto_lenient,
     cache_state_to_proto,
+    engine_pb2,
     engine_pb2_grpc,
     stale_batch_results,
 )
 
 from ._cache_state import SchedulerStateVersion, serve_watch
+from ._context_moves import begin_export, begin_import, drop_exported
 from ._metrics import HintStats, MetricsServer, start_metrics_server
 
 if TYPE_CHECKING:
@@ -199,6 +210,48 @@ class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
             ]
             return ack_to_proto(HintAck(batch_id=batch.batch_id, results=results, node_epoch=self.sched.node_epoch))
 
+    def ExportContext(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        with _status(context):
+            if request.chunk_bytes < 0:
+                raise InvalidArgument(f"chunk_bytes must be >= 0, got {request.chunk_bytes}")
+            export = begin_export(self.sched, request.session_id, min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES))
+            try:
+                yield engine_pb2.ContextChunk(header=header_to_proto(export.header))
+                while (chunk := export.read_chunk()) is not None:
+                    yield engine_pb2.ContextChunk(kv_data=chunk[0], num_blocks=chunk[1])
+            finally:  # ended, failed or cancelled: the lease goes
+                export.close()
+
+    def ImportContext(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        with _status(context):
+            first = next(request_iterator, None)
+            if first is None or not first.HasField("header"):
+                raise InvalidArgument("the first chunk of ImportContext must carry the context's header")
+            header = header_from_proto(first.header)
+            imp = begin_import(self.sched, header)
+            try:
+                context.send_initial_metadata(((IMPORT_ACK_KEY, "reserved"),))  # the blocks are reserved
+                msg: Any = first
+                while msg is not None:
+                    if msg is not first and msg.HasField("header"):
+                        raise InvalidArgument("only the first chunk of ImportContext may carry a header")
+                    if msg.kv_data or msg.num_blocks:
+                        imp.write_chunk(msg.kv_data, msg.num_blocks)
+                    msg = next(request_iterator, None)
+                num_tokens, num_blocks, pinned = imp.commit()
+            finally:  # no-op once committed; else every reserved block goes back
+                imp.abort()
+            self.states.hints_applied()  # the cache state changed: watchers hear of it
+            return engine_pb2.ImportContextResponse(
+                session_id=header.session_id, num_tokens=num_tokens, num_blocks=num_blocks, pinned_blocks=pinned
+            )
+
+    def DropContext(self, request: Any, context: grpc.ServicerContext) -> Any:
+        with _status(context):
+            dropped, reason = drop_exported(self.sched, request.session_id, request.num_tokens)
+            self.states.hints_applied()
+            return engine_pb2.DropContextResponse(dropped=dropped, reason=reason)
+
     def GetCacheState(self, request: Any, context: grpc.ServicerContext) -> Any:
         return cache_state_to_proto(self.states.state(request.include_sessions))
 
@@ -206,6 +259,20 @@ class _Servicer(engine_pb2_grpc.EngineNodeServicer):  # type: ignore[misc]
         yield from serve_watch(
             self.states, request, context, self.watch_interval_s, self.watch_min_period_s, self.closing
         )
+
+
+@contextmanager
+def _status(context: grpc.ServicerContext) -> Iterator[None]:
+    """An EngineError ends the call with its own status code, anything else with INTERNAL."""
+    try:
+        yield
+    except EngineError as e:
+        context.abort(grpc.StatusCode[e.code], str(e)[:4000])
+    except grpc.RpcError:
+        raise  # (context.abort's own exception, or the peer went away)
+    except Exception as e:
+        log.exception("a context move failed on this node")
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"[:4000])
 
 
 @dataclass

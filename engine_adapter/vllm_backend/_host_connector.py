@@ -64,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ._compat import HOST_TIER_COMPONENT, HOST_TIER_REQUIRED, check_vllm_internals
+from ._context_moves import block_dim
 from ._host_index import CONNECTOR_MODULE, HOST_SAVE_MODES, HostIndex, host_tier_config
 
 if TYPE_CHECKING:
@@ -272,6 +273,10 @@ class HintflowHostTier(KVConnectorBase_V1):
                 continue
             self._saves.append((block_id, slot))
 
+    def forget_evictions(self, block_ids: set[int]) -> None:
+        """These evicted blocks are overwritten before the next step (a context import): no save of them."""
+        self._evicted = [(b, h) for b, h in self._evicted if b not in block_ids]
+
     def _skip_saves(self, block_hashes: Any) -> None:
         """These blocks are not worth a host slot when the device evicts them (bounded: oldest forgotten)."""
         for h in block_hashes:
@@ -325,13 +330,7 @@ class HintflowHostTier(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = int(self._kv_cache_config.num_blocks)
         for name, kv in kv_caches.items():
-            dims = [d for d, n in enumerate(kv.shape) if n == num_blocks]
-            if len(dims) != 1:
-                raise RuntimeError(
-                    f"host tier: cannot tell the block dimension of layer {name}'s KV cache, shape"
-                    f" {tuple(kv.shape)}, {num_blocks} blocks"
-                )
-            dim = dims[0]
+            dim = block_dim(kv.shape, num_blocks, f"host tier, layer {name}")
             shape = list(kv.shape)
             shape[dim] = self.num_slots
             pin = kv.device.type == "cuda"

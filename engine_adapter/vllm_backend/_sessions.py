@@ -326,6 +326,25 @@ class SessionBook:
         place_by_next_use(self.pool.free_block_queue, [(float("inf"), s.snapshot)])
         s.snapshot = []
 
+    # ---- context moves (_context_moves) ------------------------------------------------------------
+    def adopt_context(self, s: VSession, blocks: Sequence[Block], context: array[int]) -> None:
+        """An imported context becomes the session's last turn (its blocks hashed, in the prefix cache)."""
+        s.pin_deadline_s = None
+        self._unpin(s)
+        s.snapshot = [(b, b.block_hash) for b in blocks]
+        s.context = context
+        s.released = False
+        s.last_active_s = self.clock()
+
+    def drop_context(self, s: VSession) -> None:
+        """The session's context moved away: free it as a Release would (unpinned, reused first)."""
+        s.pin_deadline_s = None
+        self._unpin(s)
+        self._evict_snapshot_first(s)
+        s.context = array("q")
+        if not s.live:
+            self._forget(s)
+
     # ---- EvictionOrder -------------------------------------------------------------------------------
     def place_by_next_use(self, sessions: Sequence[VSession]) -> int:
         """Reorder the free queue for these hinted sessions (``_free_queue.place_by_next_use``)."""
