@@ -1,8 +1,10 @@
 """A parked session's KV context out of and into a vLLM node: the vLLM side of ``ExportContext`` /
 ``ImportContext`` / ``DropContext`` (the hint service serves them; ``hints.move_context`` drives a move).
 
-Why this is possible without changing vLLM: with one GPU (or on the CPU build) vLLM runs the model in the
-engine-core process (``UniProcExecutor``), the process this scheduler and its hint service live in, and
+Why this is possible without changing vLLM: with one GPU (or on the CPU build with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``; by default it runs the model in a worker process for OpenMP) vLLM
+runs the model in the engine-core process (``UniProcExecutor``), where this scheduler and its hint service
+live, and
 every attention layer holds its KV tensor (``compilation_config.static_forward_context``), indexed by the
 block pool's block ids. So a context moves as the blocks of its prefix: read out by block id, written
 into blocks the receiver takes from its own pool, and entered in its prefix cache under the hashes its
