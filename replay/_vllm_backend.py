@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,8 +31,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-__all__ = ["VLLM_WORKLOAD_DEFAULTS", "check_backend_options", "parse_modes", "run_vllm_replay",
-           "vllm_replay", "vllm_table"]
+__all__ = ["VLLM_WORKLOAD_DEFAULTS", "check_backend_options", "median_rounds", "paired_ratios", "parse_modes",
+           "run_vllm_replay", "vllm_replay", "vllm_table"]
 
 VLLM_WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
     # swe-agent: the benchmark's `--workload swe-agent` defaults (contexts up to ~4k tokens on the tiny model)
@@ -46,7 +47,10 @@ all programs, the trace's arrivals, scale 1)."""
 MODELED_ONLY = {"cost_model": "--cost-model", "host_memory": "--host-memory",
                 "block_size": "--block-size", "ttft_deadline_s": "--ttft-deadline", "plots_dir": "--plots",
                 "variants": "--variant", "csv_out": "--csv"}
-VLLM_ONLY = {"vllm_python": "--vllm-python", "vllm_model": "--model", "state_dir": "--state-dir"}
+VLLM_ONLY = {"vllm_python": "--vllm-python", "vllm_model": "--model", "state_dir": "--state-dir",
+             "rounds": "--rounds"}
+PAIRED = ("jct_mean_s", "jct_p90_s", "ttft_p50_s", "ttft_p99_s")
+"""Figures given per round as ratios to the same round's vanilla run (``--rounds``)."""
 
 
 def _given(ctx: click.Context, name: str) -> bool:
@@ -105,10 +109,15 @@ def run_vllm_replay(
     scale: float | None = None, seed: int = 0, kv_capacity_tokens: int | None = None,
     vllm_python: str | None = None, model: str | Path | None = None, state_dir: str | Path | None = None,
     pin_budget: float = 0.7, host_capacity_tokens: int | None = None, progress: Callable[[str, int], Callable[[int], None]] | None = None,
-    log: Callable[[str], None] = lambda _m: None,
+    log: Callable[[str], None] = lambda _m: None, rounds: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """Load the workload, convert it, run each mode on its own server; the report (``policies``: one
     summary per mode, ``programs``: per program and turn, ``verdict`` against vanilla, ``config``).
+
+    ``rounds`` > 1: every mode runs that many times, in turn, the order reversed every other round (so a
+    machine that drifts over the sitting weighs on every mode alike); ``policies`` then holds each figure's
+    median over the rounds, ``rounds`` each round's summaries, ``ratios`` each mode's per-round ratios to
+    that round's ``vanilla`` (:func:`paired_ratios`), and ``programs`` the first round's turns.
 
     ``ValueError`` for a workload or sizes that cannot run, ``RuntimeError`` / ``TimeoutError`` when a
     server does not come up (with its log's tail).
@@ -172,20 +181,67 @@ def run_vllm_replay(
         else "a third of the live programs' contexts", "expected_live_programs": live,
         "max_model_len": max_len, "pin_budget": pin_budget,
         "host_capacity_tokens": host_tokens if any(m.endswith("+host") for m in modes) else None, "model": str(model_dir), "vllm_python": python,
-        "state_dir": str(state), "policies": modes,
+        "state_dir": str(state), "policies": modes, "rounds": rounds,
     }  # fmt: skip
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     t0 = time.perf_counter()
-    for mode in modes:
-        log(f"{mode}: starting a vLLM server ({blocks} blocks of {BLOCK} tokens), {len(agents)} programs")
-        cb = progress(mode, len(agents)) if progress is not None else None
-        report["policies"][mode] = run_mode(
-            mode, agents, model=model_dir, python=python, state=state, num_blocks=blocks, max_model_len=max_len,
-            pin_budget=pin_budget, extra_args=[], progress=cb, host_capacity_tokens=host_tokens,
-        )  # fmt: skip
-        report["programs"][mode] = json.loads((state / f"{mode}.programs.json").read_text())
+    runs: list[dict[str, dict[str, Any]]] = []
+    for r in range(rounds):
+        runs.append({})
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            which = f" (round {r + 1} of {rounds})" if rounds > 1 else ""
+            log(f"{mode}{which}: starting a vLLM server ({blocks} blocks of {BLOCK} tokens), {len(agents)} programs")
+            cb = progress(mode, len(agents)) if progress is not None else None
+            runs[r][mode] = run_mode(
+                mode, agents, model=model_dir, python=python, state=state, num_blocks=blocks,
+                max_model_len=max_len, pin_budget=pin_budget, extra_args=[], progress=cb,
+                host_capacity_tokens=host_tokens,
+            )  # fmt: skip
+            if r == 0:
+                report["programs"][mode] = json.loads((state / f"{mode}.programs.json").read_text())
+    report["policies"] = median_rounds(runs, modes)
+    if rounds > 1:
+        report["rounds"] = runs
+        report["ratios"] = paired_ratios(runs)
     report["verdict"] = verdict(report["policies"])
     report["config"]["wall_s"] = time.perf_counter() - t0
     return report
+
+
+def median_rounds(runs: list[dict[str, dict[str, Any]]], modes: list[str]) -> dict[str, dict[str, Any]]:
+    """Each mode's summary over the rounds: the median of every number (the first round's other fields),
+    failed programs summed, errors of every round."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        rows = [run[mode] for run in runs]
+        merged = dict(rows[0])
+        for key in rows[0]:
+            values = [row[key] for row in rows]
+            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+                merged[key] = statistics.median(values)
+        merged["failed"] = sum(row["failed"] for row in rows)
+        merged["errors"] = [e for row in rows for e in row.get("errors", [])]
+        if isinstance(rows[0].get("programs"), int):
+            merged["programs"] = rows[0]["programs"]  # (the same programs every round)
+        out[mode] = merged
+    return out
+
+
+def paired_ratios(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per mode other than ``vanilla``, per figure of :data:`PAIRED`: its ratio to ``vanilla`` of the same
+    round, each round's and their median, min and max (empty without a vanilla mode)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for mode in runs[0]:
+        if mode == "vanilla" or "vanilla" not in runs[0]:
+            continue
+        out[mode] = {}
+        for key in PAIRED:
+            each = [run[mode][key] / run["vanilla"][key] for run in runs if run["vanilla"][key]]
+            if each:
+                out[mode][key] = {"median": statistics.median(each), "min": min(each), "max": max(each),
+                                  "rounds": each}  # fmt: skip
+    return out
 
 
 def _int_or_none(x: float | None) -> int | None:
@@ -201,6 +257,7 @@ def vllm_table(report: dict[str, Any]) -> str:
     """A markdown table like replay's; times carry (× vanilla) where vanilla ran."""
     pols = report["policies"]
     base = pols.get("vanilla")
+    paired = report.get("ratios") or {}
     lines = ["| policy | programs (failed) | turns | " + " | ".join(c[0] for c in _COLUMNS) + " |",
              "|---" * (len(_COLUMNS) + 3) + "|"]
     for name, m in pols.items():
@@ -213,9 +270,16 @@ def vllm_table(report: dict[str, Any]) -> str:
                 cells.append(f"{v:,}")
             else:
                 ratio = f" ({v / base[key]:.2f}×)" if base is not None and name != "vanilla" and base[key] else ""
+                if key in paired.get(name, {}):  # per round: median (min-max) of the paired ratios
+                    r = paired[name][key]
+                    ratio = f" ({r['median']:.2f}×, {r['min']:.2f}-{r['max']:.2f})"
                 cells.append(f"{v:.{3 if kind == 'ms' else 2}f} s{ratio}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    if base is not None and len(pols) > 1:
+    rounds = len(report.get("rounds") or ()) or 1
+    if base is not None and len(pols) > 1 and rounds > 1:
+        lines.append(f"\nmedians of {rounds} rounds; in parentheses: × vanilla of the same round, median "
+                     "(lowest-highest)")
+    elif base is not None and len(pols) > 1:
         lines.append("\nratios in parentheses: × vanilla")
     for name, m in pols.items():
         if m["failed"]:
@@ -240,7 +304,7 @@ def vllm_replay(ctx: click.Context, progress: Callable[[str, int], Callable[[int
             workload=p["workload"], modes=modes, num_programs=p["num_programs"], rate=p["rate"], scale=p["scale"],
             seed=p["seed"], kv_capacity_tokens=p["kv_capacity_tokens"], vllm_python=p["vllm_python"],
             model=p["vllm_model"], state_dir=p["state_dir"], progress=progress, log=log,
-            host_capacity_tokens=p["host_capacity_tokens"],
+            host_capacity_tokens=p["host_capacity_tokens"], rounds=p["rounds"],
         )  # fmt: skip
     except (ValueError, OSError, RuntimeError, TimeoutError) as e:
         raise click.ClickException(str(e)) from None
@@ -253,7 +317,7 @@ def vllm_replay(ctx: click.Context, progress: Callable[[str, int], Callable[[int
                f"node per policy ({Path(c['model']).name}), token scale {c['scale']:g}, outputs <= "
                f"{c['max_output_tokens']} tokens, KV pool {c['num_gpu_blocks']} blocks of {c['block_size']} = "
                f"{c['kv_capacity_tokens']:,} tokens{raised}, {host}max-model-len {c['max_model_len']:,}, "
-               f"{c['wall_s']:.1f} s wall")  # fmt: skip
+               f"{c['rounds']} round(s), {c['wall_s']:.1f} s wall")  # fmt: skip
     click.echo(vllm_table(report))
     if p["json_out"]:
         Path(p["json_out"]).write_text(json.dumps(report, indent=2) + "\n")

@@ -223,6 +223,8 @@ def test_one_session_program_is_sent_as_before(fake_vllm: _FakeVllm) -> None:
     (["--backend", "vllm", "--cost-model", "cpu-tiny", "--plots", "d"], "--cost-model, --plots"),
     (["--model", "m", "--policy", "vllm-default"], "--model applies only with --backend vllm"),
     (["--vllm-python", "py"], "--vllm-python applies only with --backend vllm"),
+    (["--rounds", "3"], "--rounds applies only with --backend vllm"),
+    (["--backend", "vllm", "--rounds", "0"], "--rounds"),
 ])  # fmt: skip
 def test_usage_errors(args: list[str], expected: str) -> None:
     res = CliRunner().invoke(replay_command, [*args, "--no-progress"])
@@ -235,6 +237,32 @@ def test_missing_model_is_an_error_before_any_server(tmp_path: Path) -> None:
         "--backend", "vllm", "-w", "swe-agent", "--programs", "2", "--policy", "vanilla", "--vllm-python",
         "/bin/true", "--model", str(tmp_path / "none"), "--state-dir", str(tmp_path / "s"), "--no-progress"])  # fmt: skip
     assert res.exit_code == 1 and "no config.json" in res.output
+
+
+# ---- rounds ---------------------------------------------------------------------------------------------
+def _summary(jct: float, ttft_p99: float, failed: int = 0) -> dict[str, Any]:
+    return {"programs": 3, "failed": failed, "errors": [f"e{jct}"] if failed else [], "turns": 9,
+            "jct_mean_s": jct, "jct_p90_s": 2 * jct, "ttft_p50_s": 0.1, "ttft_p99_s": ttft_p99,
+            "across_turn_hit_rate": 0.5, "prompt_tokens": 100, "cached_tokens": 50, "note": f"run {jct}"}  # fmt: skip
+
+
+def test_rounds_give_medians_and_ratios_paired_within_each_round() -> None:
+    from replay._vllm_backend import median_rounds, paired_ratios, vllm_table
+
+    # The machine slows down over the sitting: vanilla 10 -> 20 -> 40 s; hintflow half of it every round.
+    runs = [{"vanilla": _summary(v, 1.0), "hintflow-infer": _summary(v / 2, 2.0, failed=int(v == 40))}
+            for v in (10.0, 20.0, 40.0)]  # fmt: skip
+    med = median_rounds(runs, ["vanilla", "hintflow-infer"])
+    assert med["vanilla"]["jct_mean_s"] == 20.0 and med["hintflow-infer"]["jct_p90_s"] == 20.0
+    assert med["hintflow-infer"]["failed"] == 1 and med["hintflow-infer"]["errors"] == ["e20.0"]
+    assert med["vanilla"]["note"] == "run 10.0" and med["vanilla"]["programs"] == 3  # non-numbers: round 1's
+    ratios = paired_ratios(runs)
+    assert set(ratios) == {"hintflow-infer"}
+    assert ratios["hintflow-infer"]["jct_mean_s"] == {"median": 0.5, "min": 0.5, "max": 0.5, "rounds": [0.5] * 3}
+    assert ratios["hintflow-infer"]["ttft_p99_s"]["median"] == 2.0
+    table = vllm_table({"policies": med, "rounds": runs, "ratios": ratios})
+    assert "10.00 s (0.50×, 0.50-0.50)" in table and "medians of 3 rounds" in table
+    assert paired_ratios([{"hintflow-infer": _summary(1.0, 1.0)}]) == {}  # no vanilla: nothing to pair
 
 
 # ---- against real vLLM servers -------------------------------------------------------------------------
