@@ -24,15 +24,24 @@ import math
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import click
 from click.core import ParameterSource
 
-__all__ = ["VLLM_WORKLOAD_DEFAULTS", "check_backend_options", "median_rounds", "paired_ratios", "parse_modes",
-           "run_vllm_replay", "vllm_replay", "vllm_table"]
+__all__ = [
+    "VLLM_WORKLOAD_DEFAULTS",
+    "check_backend_options",
+    "median_rounds",
+    "paired_ratios",
+    "parse_modes",
+    "run_vllm_replay",
+    "stock_of",
+    "vllm_replay",
+    "vllm_table",
+]
 
 VLLM_WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
     # swe-agent: the benchmark's `--workload swe-agent` defaults (contexts up to ~4k tokens on the tiny model)
@@ -228,16 +237,27 @@ def median_rounds(runs: list[dict[str, dict[str, Any]]], modes: list[str]) -> di
     return out
 
 
+def stock_of(mode: str, modes: Collection[str]) -> str | None:
+    """The stock run a mode is compared with: ``vanilla+host`` for a ``+host`` mode when it ran (the same
+    host tier under vLLM's own scheduler), else ``vanilla``; None for those two or when neither ran."""
+    if mode in ("vanilla", "vanilla+host"):
+        return None
+    if mode.endswith("+host") and "vanilla+host" in modes:
+        return "vanilla+host"
+    return "vanilla" if "vanilla" in modes else None
+
+
 def paired_ratios(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per mode other than ``vanilla``, per figure of :data:`PAIRED`: its ratio to ``vanilla`` of the same
-    round, each round's and their median, min and max (empty without a vanilla mode)."""
+    """Per mode with a stock run to compare with (:func:`stock_of`), per figure of :data:`PAIRED`: its
+    ratio to that stock run of the same round, each round's and their median, min and max."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for mode in runs[0]:
-        if mode == "vanilla" or "vanilla" not in runs[0]:
+        base = stock_of(mode, runs[0])
+        if base is None:
             continue
         out[mode] = {}
         for key in PAIRED:
-            each = [run[mode][key] / run["vanilla"][key] for run in runs if run["vanilla"][key]]
+            each = [run[mode][key] / run[base][key] for run in runs if run[base][key]]
             if each:
                 out[mode][key] = {"median": statistics.median(each), "min": min(each), "max": max(each),
                                   "rounds": each}  # fmt: skip
@@ -256,11 +276,12 @@ _COLUMNS = (("JCT mean", "jct_mean_s", "s"), ("JCT p90", "jct_p90_s", "s"), ("TT
 def vllm_table(report: dict[str, Any]) -> str:
     """A markdown table like replay's; times carry (× vanilla) where vanilla ran."""
     pols = report["policies"]
-    base = pols.get("vanilla")
     paired = report.get("ratios") or {}
     lines = ["| policy | programs (failed) | turns | " + " | ".join(c[0] for c in _COLUMNS) + " |",
              "|---" * (len(_COLUMNS) + 3) + "|"]
     for name, m in pols.items():
+        stock = stock_of(name, pols)
+        base = pols[stock] if stock is not None else None
         cells = [f"{m['programs']} ({m['failed']})", str(m["turns"])]
         for _, key, kind in _COLUMNS:
             v = m[key]
@@ -269,18 +290,19 @@ def vllm_table(report: dict[str, Any]) -> str:
             elif kind == "n":
                 cells.append(f"{v:,}")
             else:
-                ratio = f" ({v / base[key]:.2f}×)" if base is not None and name != "vanilla" and base[key] else ""
+                ratio = f" ({v / base[key]:.2f}×)" if base is not None and base[key] else ""
                 if key in paired.get(name, {}):  # per round: median (min-max) of the paired ratios
                     r = paired[name][key]
                     ratio = f" ({r['median']:.2f}×, {r['min']:.2f}-{r['max']:.2f})"
                 cells.append(f"{v:.{3 if kind == 'ms' else 2}f} s{ratio}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     rounds = len(report.get("rounds") or ()) or 1
-    if base is not None and len(pols) > 1 and rounds > 1:
-        lines.append(f"\nmedians of {rounds} rounds; in parentheses: × vanilla of the same round, median "
-                     "(lowest-highest)")
-    elif base is not None and len(pols) > 1:
-        lines.append("\nratios in parentheses: × vanilla")
+    compared = any(stock_of(name, pols) is not None for name in pols)
+    if compared and rounds > 1:
+        lines.append(f"\nmedians of {rounds} rounds; in parentheses: × stock (vanilla, or vanilla+host for a "
+                     "+host policy) of the same round, median (lowest-highest)")
+    elif compared:
+        lines.append("\nratios in parentheses: × stock (vanilla, or vanilla+host for a +host policy)")
     for name, m in pols.items():
         if m["failed"]:
             lines.append(f"{name}: {m['failed']} program(s) failed: {'; '.join(m['errors'])}")

@@ -263,6 +263,9 @@ def test_rounds_give_medians_and_ratios_paired_within_each_round() -> None:
     table = vllm_table({"policies": med, "rounds": runs, "ratios": ratios})
     assert "10.00 s (0.50×, 0.50-0.50)" in table and "medians of 3 rounds" in table
     assert paired_ratios([{"hintflow-infer": _summary(1.0, 1.0)}]) == {}  # no vanilla: nothing to pair
+    # a +host mode is paired with stock's scheduler over the same host tier when that ran
+    host = [{"vanilla": _summary(10.0, 1.0), "vanilla+host": _summary(8.0, 1.0), "hintflow-infer+host": _summary(6.0, 1.0)}]
+    assert paired_ratios(host)["hintflow-infer+host"]["jct_mean_s"]["median"] == 0.75
 
 
 # ---- against real vLLM servers -------------------------------------------------------------------------

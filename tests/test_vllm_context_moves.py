@@ -33,7 +33,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
     dst = Node(server.port, INFER.build_kw["hint_port"], str(server.model))
     yield src, dst
     for n in (src, dst):  # the other modules' tests on these servers start from empty pools
-        n.hints(*(Release(program_id=f"pmv-{x}") for x in "abcde"))
+        n.hints(*(Release(program_id=f"pmv-{x}") for x in "abcdef"))
     dst.channel.close()
 
 
@@ -92,6 +92,17 @@ def test_a_context_moves_and_its_next_turn_hits_there_with_the_same_kv(nodes: tu
     got, hit = _text(dst, q, "mv-a", "pmv-a")
     assert hit == 3 * BS  # the destination's own lookup found the moved blocks
     assert got == want
+
+
+def test_a_context_moves_into_a_node_that_publishes_kv_events(nodes: tuple[Node, Node]) -> None:
+    src, dst = nodes  # this time into the shared server, which publishes vLLM's KV events
+    p = _prompt(46, 2 * BS + 10)
+    dst.complete(p, "mv-f", "pmv-f")
+    want, _ = _text(dst, p + [7])
+    move = _move(dst, src, "mv-f", pin_ttl_s=30.0)
+    assert (move.num_blocks, move.source_dropped) == (2, True)
+    got, hit = _text(src, p + [7], "mv-f", "pmv-f")
+    assert (got, hit) == (want, 2 * BS)
 
 
 def test_the_comparison_can_fail_a_zeroed_copy_changes_the_continuation(nodes: tuple[Node, Node]) -> None:

@@ -270,7 +270,8 @@ class VllmImport:
                 raise FailedPrecondition(f"session {h.session_id!r} started a turn here while its context arrived")
             stand_in = SimpleNamespace(
                 request_id=f"hintflow-import-{h.session_id}", block_hashes=sched.hash_blocks(h.token_ids),
-                all_token_ids=h.token_ids, mm_features=[], lora_request=None, cache_salt=None,
+                all_token_ids=h.token_ids, mm_features=[], lora_request=None, cache_salt=None, prompt_embeds=None,
+                session_id=h.session_id,  # (what vLLM's KV events, when on, report the stored blocks under)
             )  # fmt: skip
             bs = sched.block_size
             book.pool.cache_full_blocks(stand_in, self._blocks, 0, len(self._blocks), bs, 0)
