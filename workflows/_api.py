@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextvars
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -155,6 +155,14 @@ _session: contextvars.ContextVar[str | None] = contextvars.ContextVar("hintflow_
 _tool: contextvars.ContextVar[str | None] = contextvars.ContextVar("hintflow_tool", default=None)
 
 
+def _reset(var: contextvars.ContextVar[str | None], token: contextvars.Token[str | None]) -> None:
+    """Undo a ``set``; nothing to undo when the workflow's coroutine is being closed from outside its
+    task (the SDK evicting the workflow closes it with GeneratorExit in another context, where the token
+    is foreign and ``reset`` would raise ValueError on top of the exit)."""
+    with suppress(ValueError):
+        var.reset(token)
+
+
 def current_session() -> str:
     """The session named by the innermost ``session(...)``, else the workflow id (one session per program)."""
     name = _session.get()
@@ -178,7 +186,7 @@ def session(name: str) -> Iterator[str]:
     try:
         yield sid
     finally:
-        _session.reset(token)
+        _reset(_session, token)
 
 
 def _bad_input(message: str, kind: str = "InvalidInput") -> ApplicationError:
@@ -312,7 +320,7 @@ async def tool(
             **activity_options,
         )
     finally:
-        _tool.reset(token)
+        _reset(_tool, token)
 
 
 @asynccontextmanager
