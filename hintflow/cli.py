@@ -179,6 +179,12 @@ def _cache_replay_table(result: dict[str, Any], seconds: float) -> str:
     default=None,
     help="vllm: hintflow's host KV tier (a vLLM KV connector) of this many tokens.  [default: none]",
 )
+@click.option(
+    "--context-moves/--no-context-moves",
+    default=False,
+    help="vllm: run the model in vLLM's engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that "
+    "this node can export and import contexts; vLLM does so on one GPU anyway.  [default: off]",
+)
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--executor", type=click.Choice(["torch", "modeled"]), default=None, help="[default: torch]")
 @click.option("--host", default=None, help="Address to bind.  [default: 127.0.0.1]")
@@ -204,6 +210,7 @@ def serve(
     state_dir: str,
     vllm_python: str | None,
     host_capacity_tokens: int | None,
+    context_moves: bool,
     vllm_args: tuple[str, ...],
     **overrides: Any,
 ) -> None:
@@ -242,12 +249,15 @@ def serve(
                 python=vllm_python,
                 extra_args=list(vllm_args),
                 host_capacity_tokens=host_capacity_tokens,
+                context_moves=context_moves,
             )
         except (RuntimeError, ValueError) as e:  # an incompatible vLLM, or one that exited at start-up: say so, no traceback
             raise click.ClickException(str(e)) from None
         raise SystemExit(status)
     if host_capacity_tokens is not None:
         raise click.UsageError("--host-capacity-tokens is for --backend vllm (this node: --num-host-blocks)")
+    if context_moves:
+        raise click.UsageError("--context-moves is for --backend vllm (an embedded node always moves contexts)")
     if vllm_args:
         raise click.UsageError(
             f"unexpected arguments {' '.join(vllm_args)!r} (only --backend vllm passes flags on)"

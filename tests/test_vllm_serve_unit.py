@@ -124,6 +124,20 @@ def test_cli_host_capacity_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Any
     assert res.exit_code == 2 and "--num-host-blocks" in res.output
 
 
+def test_context_moves_keep_the_model_in_the_engine_core_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    _, env = build_vllm_command("m", python="python3", state_dir=tmp_path, context_moves=True)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    _, env = build_vllm_command("m", python="python3", state_dir=tmp_path)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(_serve, "serve_vllm", lambda model, **kw: seen.update(kw) or 0)
+    res = CliRunner().invoke(hintflow, ["engine", "serve", "--backend", "vllm", "--model", str(tmp_path), "--context-moves"])
+    assert res.exit_code == 0 and seen["context_moves"] is True, res.output
+    res = CliRunner().invoke(hintflow, ["engine", "serve", "--context-moves"])
+    assert res.exit_code == 2 and "--backend vllm" in res.output
+
+
 _SUPERVISOR = """
 import subprocess, sys
 from engine_adapter.vllm_backend._serve import supervise

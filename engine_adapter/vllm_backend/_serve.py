@@ -115,6 +115,7 @@ def build_vllm_command(
     hintflow: bool = True,
     infer_hints: bool | None = None,
     host_capacity_tokens: int | None = None,
+    context_moves: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that serve ``model_dir``; ``hintflow=False`` gives stock vLLM (a baseline).
 
@@ -124,6 +125,9 @@ def build_vllm_command(
     a free loopback port. ``infer_hints`` None keeps the scheduler's default (on). ``state_dir`` receives
     vLLM's caches, sockets and temporary files. ``host_capacity_tokens`` (positive) adds hintflow's host
     KV tier (``_host_connector``) through ``--kv-transfer-config``, with or without hintflow's scheduler.
+    ``context_moves``: vLLM runs the model in its engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+    where the hint service can export and import contexts (``_context_moves``); on one GPU vLLM does so
+    already, on the CPU build it otherwise runs the model in a worker process of its own.
     """
     extra = list(extra_args)
     state = Path(state_dir).resolve()
@@ -137,6 +141,8 @@ def build_vllm_command(
         (state / sub).mkdir(parents=True, exist_ok=True)
         env[var] = str(state / sub)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    if context_moves:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     argv = [
         python or find_vllm_python() or sys.executable,
         "-m",
