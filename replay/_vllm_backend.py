@@ -201,12 +201,19 @@ def run_vllm_replay(
         for mode in modes if r % 2 == 0 else modes[::-1]:
             which = f" (round {r + 1} of {rounds})" if rounds > 1 else ""
             log(f"{mode}{which}: starting a vLLM server ({blocks} blocks of {BLOCK} tokens), {len(agents)} programs")
-            cb = progress(mode, len(agents)) if progress is not None else None
-            runs[r][mode] = run_mode(
-                mode, agents, model=model_dir, python=python, state=state, num_blocks=blocks,
-                max_model_len=max_len, pin_budget=pin_budget, extra_args=[], progress=cb,
-                host_capacity_tokens=host_tokens,
-            )  # fmt: skip
+            for attempt in range(1 + PORT_RETRIES):
+                cb = progress(mode, len(agents)) if progress is not None else None
+                try:
+                    runs[r][mode] = run_mode(
+                        mode, agents, model=model_dir, python=python, state=state, num_blocks=blocks,
+                        max_model_len=max_len, pin_budget=pin_budget, extra_args=[], progress=cb,
+                        host_capacity_tokens=host_tokens,
+                    )  # fmt: skip
+                    break
+                except RuntimeError as e:
+                    if not _lost_port(e) or attempt == PORT_RETRIES:
+                        raise
+                    log(f"{mode}: a port chosen for its server was taken before it bound; starting it again")
             if r == 0:
                 report["programs"][mode] = json.loads((state / f"{mode}.programs.json").read_text())
     report["policies"] = median_rounds(runs, modes)
@@ -216,6 +223,17 @@ def run_vllm_replay(
     report["verdict"] = verdict(report["policies"])
     report["config"]["wall_s"] = time.perf_counter() - t0
     return report
+
+
+PORT_RETRIES = 2
+"""Times a server whose port was taken between choosing it and binding it is started again (on a busy
+machine the clients' own connections take ephemeral ports from the same range; one lost mode must not
+lose a sitting of several rounds)."""
+
+
+def _lost_port(e: BaseException) -> bool:
+    text = str(e)
+    return "Address already in use" in text or "Failed to bind to address" in text
 
 
 def median_rounds(runs: list[dict[str, dict[str, Any]]], modes: list[str]) -> dict[str, dict[str, Any]]:

@@ -268,6 +268,34 @@ def test_rounds_give_medians_and_ratios_paired_within_each_round() -> None:
     assert paired_ratios(host)["hintflow-infer+host"]["jct_mean_s"]["median"] == 0.75
 
 
+def test_a_server_whose_port_was_taken_is_started_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import replay._vllm_bench as bench
+    from replay._vllm_backend import run_vllm_replay
+
+    calls: list[str] = []
+
+    def run_mode(mode: str, agents: Any, **kw: Any) -> dict[str, Any]:
+        calls.append(mode)
+        if len(calls) == 1:
+            raise RuntimeError("vLLM exited 1: ... Failed to bind to address 127.0.0.1:38097 ...")
+        if mode == "hintflow-infer":
+            raise RuntimeError("vLLM exited 1: some other start-up failure")
+        (tmp_path / "s" / f"{mode}.programs.json").write_text("[]")
+        return _summary(1.0, 1.0)
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    monkeypatch.setattr(bench, "ensure_model", lambda python, d: None)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    kw = {"workload": "swe-agent", "num_programs": 2, "vllm_python": "/bin/true", "model": tmp_path / "m",
+          "state_dir": tmp_path / "s"}  # fmt: skip
+    report = run_vllm_replay(modes=["vanilla"], **kw)
+    assert calls == ["vanilla", "vanilla"] and report["policies"]["vanilla"]["jct_mean_s"] == 1.0
+    with pytest.raises(RuntimeError, match="some other"):  # anything else is not retried
+        run_vllm_replay(modes=["hintflow-infer"], **kw)
+    assert calls[2:] == ["hintflow-infer"]
+
+
 # ---- against real vLLM servers -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
