@@ -246,7 +246,9 @@ def median_rounds(runs: list[dict[str, dict[str, Any]]], modes: list[str]) -> di
         for key in rows[0]:
             values = [row[key] for row in rows]
             if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-                merged[key] = statistics.median(values)
+                med = statistics.median(values)
+                ints = all(isinstance(v, int) for v in values) and float(med).is_integer()
+                merged[key] = int(med) if ints else med  # (counts stay counts: "555", not "555.0")
         merged["failed"] = sum(row["failed"] for row in rows)
         merged["errors"] = [e for row in rows for e in row.get("errors", [])]
         if isinstance(rows[0].get("programs"), int):

@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from hints import ContextMove, ContextMoveError, EngineClient, GenerateResult, VllmClient, move_context
 from orchestrator import MovePlanner, MoveStats, NodeRoom, PlannedMove, QueuedTurn, Router
+from workflows._publisher import node_client
 
 __all__ = ["ContextMover"]
 
@@ -226,7 +227,7 @@ class ContextMover:
         if hints is None or address in self._cannot_move:
             return None
         if address not in self._hint_clients:
-            self._hint_clients[address] = EngineClient(hints)
+            self._hint_clients[address] = node_client(hints)  # (the runtime's channel options)
         return self._hint_clients[address]
 
     def _note_refusal(self, exc: ContextMoveError, src: str, dst: str) -> None:
