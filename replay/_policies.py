@@ -34,12 +34,17 @@ what differs is only what the paper behind it changes.  Why each field exists:
   default).  hintflow's rows only: Continuum's pins hold until they expire or its deadlock rule drops them.
   Measured on seed 0, no host tier: swe-agent 33.32/58.91 -> 31.65/52.69 s mean/p90 JCT, multi-agent
   109.68/185.48 -> 94.02/146.60 s.
-* ``true_next_use``: a session in a tool pause is ranked for eviction by the time the trace says it
-  returns, not by the policy's prediction (Belady's rule over sessions): the ``bound`` row, the
-  finite-memory reference beside the infinite-memory ``oracle``.  It is a reference, not a proof: no
-  online row should beat it, and ``hintflow replay`` says so when one does on a run.  (With
-  ``clairvoyant`` priority as well, shortest remaining program first, its mean JCT fell 1% and its p90
-  rose 44% on the device-only swe-agent replay, seed 0, so ``bound`` keeps program FCFS.)
+* ``true_next_use``: every tool pause is known from the trace: a paused session is ranked for eviction by
+  when it returns, not by the policy's prediction (Belady's rule over sessions); a pin the policy would
+  hold past the return lapses at the return, one that would lapse before it is not held at all (it would
+  only keep memory the session does not use in time), and with a host tier the context is fetched back
+  to arrive as the tool returns.  The ``bound`` row, the finite-memory reference beside the
+  infinite-memory ``oracle``.  It is a reference, not a proof: no online row should beat it, and
+  ``hintflow replay`` says so when one does on a run.  Before its pins knew the pause (Belady's order
+  alone) hintflow beat it on five of eight device-only swe-agent seeds; with them, on none (seed 1:
+  21.93 -> 19.91 s mean JCT, 36.28 -> 29.93 s p90).  (With ``clairvoyant`` priority as well, shortest
+  remaining program first, its mean JCT fell 1% and its p90 rose 44% on the device-only swe-agent
+  replay, seed 0, so ``bound`` keeps program FCFS.)
 * ``clairvoyant``: every turn is submitted with its program's true remaining work from the trace as its
   engine priority (shortest remaining program first).  No deployable policy knows that; the row shows what
   perfect knowledge of every program's future would buy with the same memory, which bounds what better
@@ -141,7 +146,7 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
             yield_pins=True,
             description="analysis, not a policy: hintflow on the same memory, with every tool pause known "
                         "from the trace (the paused context needed furthest ahead is evicted first: Belady "
-                        "over sessions)",
+                        "over sessions; pins held exactly to the return or not at all; reloads timed to it)",
         ),
         ReplayConfig(
             "oracle", "hintflow", "session", retain_contexts=True, eviction_policy="hinted",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapter import Request, Session, VirtualClock
-from hints import MAX_HORIZON_S, EvictionOrder, HintModel, NextUse, Pin
+from hints import MAX_HORIZON_S, EvictionOrder, HintModel, NextUse, Pin, Prefetch
 from orchestrator import (
     ControlCore,
     HintPolicy,
@@ -121,6 +121,8 @@ class Simulation:
         self._tick_pending = False
         self._routed_s = -1.0
         self._num_done = 0
+        self._returns: dict[str, float] = {}  # session in a tool -> when the trace says it returns (bound)
+        self._copy_s_per_token = cm.copy_per_block_s / cm.block_size
         self.controller: Any = None
         self.migrator: Migrator | None = None
         if config.migrate and num_nodes > 1:  # by default a link as fast as the host copy path (_migration.py)
@@ -214,10 +216,14 @@ class Simulation:
     # ---- policy and hints ----------------------------------------------------------------------------
     def _true_next_use(self, event: Any, hints: Sequence[HintModel]) -> list[HintModel]:
         """The ``bound`` row: a session in a tool pause is ranked by when the trace says it returns (Belady
-        over sessions), in place of the policy's prediction; the rest of the policy's hints stand."""
+        over sessions), in place of the policy's prediction; its pins know the return (``_true_pin``), and
+        with a host tier its context is fetched back to arrive as the tool returns; the rest of the
+        policy's hints stand."""
         in_tool = set(self.core.pauses)
         out: list[HintModel] = []
         for h in hints:
+            if isinstance(h, Prefetch) and h.session_id in self._returns:
+                continue  # the bound's own, below
             if isinstance(h, EvictionOrder):
                 entries = [e for e in h.entries if e.session_id not in in_tool]
                 if entries:
@@ -228,7 +234,24 @@ class Simulation:
             s = self.live[event.session_id]
             pause_s = min(s.session.turns[s.turn_index].tool_duration_s, MAX_HORIZON_S)
             out.append(EvictionOrder(entries=[NextUse(session_id=s.key, next_use_s=pause_s)]))
-        return out
+            if self.spec.num_host_tokens > 0:  # back from host just as the tool returns, not on the critical path
+                lead_s = event.context_tokens * self._copy_s_per_token + self.tick_s
+                out.append(Prefetch(session_id=s.key, at_s=max(pause_s - lead_s, 0.0)))
+        return [self._true_pin(h) if isinstance(h, Pin) else h for h in out]
+
+    def _true_pin(self, pin: Pin) -> Pin:
+        """A pin that knows the pause: held exactly until the session returns when the policy would have
+        held it at least that long, none when the policy's pin would lapse before the return (it would
+        only hold memory the session does not use in time) or when the session is never used again."""
+        back_s = self._returns.get(pin.session_id)
+        if back_s is None:
+            s = self.live.get(pin.session_id)
+            done = s is None or (s.turn_index >= s.session.num_turns - 1 and s.session.turns[s.turn_index].tool is None)
+            return pin.model_copy(update={"ttl_s": 0.0}) if done and pin.ttl_s > 0.0 else pin
+        remaining_s = max(back_s - self.now, 0.0)
+        if pin.ttl_s <= 0.0 or pin.ttl_s < remaining_s:
+            return pin.model_copy(update={"ttl_s": 0.0})
+        return pin.model_copy(update={"ttl_s": remaining_s + self.tick_s})
 
     def _node_of(self, session_id: str) -> str | None:
         s = self.live.get(session_id)
@@ -376,6 +399,8 @@ class Simulation:
                             rec.recomputed_tokens)
         s.finish_turn(req.output[: turn.output_tokens])
         pid = s.run.program.program_id
+        if turn.tool is not None and self.config.true_next_use:  # when the trace says it returns
+            self._returns[s.key] = self.now + turn.tool_duration_s
         self.publish(self.core.turn_ended(pid, s.key, self.now, len(s.context)))
         if turn.tool is not None:
             self.publish(self.core.tool_started(pid, s.key, turn.tool, self.now, len(s.context)))
@@ -388,6 +413,7 @@ class Simulation:
 
     def _after_tool(self, s: SessionRun) -> None:
         turn = s.session.turns[s.turn_index]
+        self._returns.pop(s.key, None)
         if turn.tool is not None:
             self.publish(self.core.tool_returned(s.run.program.program_id, s.key, turn.tool, self.now,
                                                  turn.tool_duration_s))

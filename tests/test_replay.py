@@ -336,6 +336,34 @@ def test_bound_ranks_each_paused_session_by_its_true_pause(monkeypatch) -> None:
     assert exact < sum(map(len, truth.values()))  # predictions, not the trace's answers
 
 
+def test_bound_pins_a_paused_context_exactly_until_it_returns() -> None:
+    """The bound row's pins know the pause: a pin the policy would hold past the session's true return
+    lapses at the return (plus a tick); one that would lapse before it is no pin (it would only hold memory
+    the session does not use in time); a session's last turn without a tool is never pinned."""
+    from hints import Pin
+    from replay import NodeSpec, Simulation
+
+    sim = Simulation(_tiny(2), get_replay_config("bound"), NodeSpec(4096, 0, _setup().cost()))
+    sim.clock.advance_to(10.0)
+    sim._returns["a"] = 14.0  # in a tool, back at 14 s
+    assert sim._true_pin(Pin(session_id="a", ttl_s=60.0)).ttl_s == pytest.approx(4.0 + sim.tick_s)
+    assert sim._true_pin(Pin(session_id="a", ttl_s=3.0)).ttl_s == 0.0
+    assert sim._true_pin(Pin(session_id="a", ttl_s=0.0)).ttl_s == 0.0
+    assert sim._true_pin(Pin(session_id="gone", ttl_s=5.0)).ttl_s == 0.0  # not live: never used again
+    # Through a run: every pause the trace has is recorded when its turn ends and dropped when it returns.
+    seen: list[float] = []
+    true_pin = Simulation._true_pin
+
+    def spy(self: Simulation, pin: Pin) -> Pin:
+        seen.extend(self._returns.values())
+        return true_pin(self, pin)
+
+    bound = Simulation(_tiny(2), get_replay_config("bound"), NodeSpec(4096, 0, _setup().cost()))
+    bound._true_pin = spy.__get__(bound)  # type: ignore[method-assign]
+    bound.run()
+    assert seen and not bound._returns
+
+
 def test_bound_note_names_the_online_rows_that_beat_the_bound() -> None:
     from replay import bound_note
 

@@ -248,6 +248,7 @@ def _summary(jct: float, ttft_p99: float, failed: int = 0) -> dict[str, Any]:
 
 def test_rounds_give_medians_and_ratios_paired_within_each_round() -> None:
     from replay._vllm_backend import median_rounds, paired_ratios, vllm_table
+    from replay._vllm_bench import verdict
 
     # The machine slows down over the sitting: vanilla 10 -> 20 -> 40 s; hintflow half of it every round.
     runs = [{"vanilla": _summary(v, 1.0), "hintflow-infer": _summary(v / 2, 2.0, failed=int(v == 40))}
@@ -266,6 +267,10 @@ def test_rounds_give_medians_and_ratios_paired_within_each_round() -> None:
     # a +host mode is paired with stock's scheduler over the same host tier when that ran
     host = [{"vanilla": _summary(10.0, 1.0), "vanilla+host": _summary(8.0, 1.0), "hintflow-infer+host": _summary(6.0, 1.0)}]
     assert paired_ratios(host)["hintflow-infer+host"]["jct_mean_s"]["median"] == 0.75
+    v = verdict(host[0])  # the report's verdict pairs the same way
+    assert v["hintflow-infer+host"] == {"stock": "vanilla+host", "jct_mean_ratio": 0.75, "jct_p90_ratio": 0.75,
+                                        "ttft_p99_ratio": 1.0}
+    assert set(v) == {"hintflow-infer+host"}  # stock rows have nothing to compare with
 
 
 def test_a_server_whose_port_was_taken_is_started_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
