@@ -117,7 +117,7 @@ def run_vllm_replay(
     *, workload: str, modes: list[str], num_programs: int | None = None, rate: float | None = None,
     scale: float | None = None, seed: int = 0, kv_capacity_tokens: int | None = None,
     vllm_python: str | None = None, model: str | Path | None = None, state_dir: str | Path | None = None,
-    pin_budget: float = 0.7, host_capacity_tokens: int | None = None, progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    pin_budget: float | None = None, host_capacity_tokens: int | None = None, progress: Callable[[str, int], Callable[[int], None]] | None = None,
     log: Callable[[str], None] = lambda _m: None, rounds: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """Load the workload, convert it, run each mode on its own server; the report (``policies``: one

@@ -117,7 +117,7 @@ def summarize(results: list[ProgramResult], wall_s: float) -> dict[str, Any]:
 
 def run_mode(
     mode: str, programs: list[AgentProgram], *, model: Path, python: str, state: Path, num_blocks: int,
-    max_model_len: int, pin_budget: float, extra_args: list[str], aging_s: float | None = None,
+    max_model_len: int, pin_budget: float | None, extra_args: list[str], aging_s: float | None = None,
     hint_env: dict[str, str] | None = None, progress: Callable[[int], None] | None = None,
     host_capacity_tokens: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool-fraction", type=float, default=1 / 3)
     ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks (default: from --pool-fraction)")
-    ap.add_argument("--pin-budget", type=float, default=0.7)
+    ap.add_argument("--pin-budget", type=float, default=None,
+                    help="share of the pool pins may hold (default: the node's, 0.9 without a host tier, 0.5 with)")
     ap.add_argument("--host-capacity-tokens", type=int, default=0,
                     help="host KV tier of modes named MODE+host (default: every program's longest context)")
     ap.add_argument("--aging-s", type=float, default=None, help="HINTFLOW_PRIORITY_AGING_S for hintflow modes")

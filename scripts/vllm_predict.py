@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine_adapter.vllm_backend import AGING_S, PIN_BUDGET
+from engine_adapter.vllm_backend import AGING_S, PIN_BUDGET, PIN_BUDGET_WITH_HOST
 from replay import ReplaySetup, get_replay_config, parse_variant, report_json, run_replay
 
 
@@ -54,6 +54,7 @@ MIRRORS = {
     "thunderagent": f"node.thunderagent=thunderagent:{NODE}",  # with its controller, as the harness runs it
 }
 HOST = {"evict": "host_tier=true", "write-through": "host_tier=true,host_write_through=true"}
+WITH_HOST_BUDGET = (f"pin_budget={PIN_BUDGET}", f"pin_budget={PIN_BUDGET_WITH_HOST}")  # the node's, by host tier
 """A ``+host`` mode's node, by how the real run's host connector saved blocks (``--host-save``; the stock
 scheduler's ``vanilla+host`` runs the same connector): when the device evicts them (the connector's
 default since 2026-12-03; the replay's own tier does the same), or write-through as they fill, least
@@ -82,7 +83,8 @@ def _mirror(mode: str, host_save: str = "evict") -> str:
     base = mode.removesuffix("+host")
     spec = MIRRORS[base]
     if "=" in spec:
-        return spec.replace(f"node.{base}=", f"node.{mode}=", 1) + f",{HOST[host_save]}"
+        spec = spec.replace(f"node.{base}=", f"node.{mode}=", 1).replace(*WITH_HOST_BUDGET)
+        return spec + f",{HOST[host_save]}"
     return f"node.{mode}={spec}:{HOST[host_save]}"
 
 

@@ -103,6 +103,8 @@ def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> 
         core.step()
     pool = sched.kv_cache_manager.block_pool
     out["free_blocks"], out["usable_blocks"] = pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
+    if scheduler_cls is not None:  # the host tier's own pin budget (HINTFLOW_PIN_BUDGET unset)
+        out["pin_budget_blocks"] = sched.book.pin_budget_blocks
     out["in_flight_saves"] = len(tier._in_flight_req_ids)
     return out
 
@@ -138,6 +140,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Compl
     python = vllm_python_or_skip()
     model = tiny_model(tmp_path_factory, python)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("HINTFLOW_PIN_BUDGET", None)  # the node's own default is checked
     procs = {}
     for scheduler in ("stock", "hintflow", "no-prefix-caching"):
         state = tmp_path_factory.mktemp(f"host-tier-{scheduler}")
@@ -209,6 +212,13 @@ def test_the_routers_cache_state_shows_the_host_tier(report: dict[str, Any]) -> 
     from engine_adapter.vllm_backend import HOST_RELOAD_S_PER_TOKEN
 
     assert st["host_reload_s_per_token"] == HOST_RELOAD_S_PER_TOKEN  # the node's one figure, for the router
+
+
+def test_with_a_host_tier_pins_hold_the_host_tiers_budget(report: dict[str, Any]) -> None:
+    from engine_adapter.vllm_backend import PIN_BUDGET_WITH_HOST
+
+    r = report["hintflow"]
+    assert r["pin_budget_blocks"] == int(PIN_BUDGET_WITH_HOST * r["usable_blocks"])
 
 
 def test_hintflow_skips_saving_a_last_turn_and_counts_host_hits(report: dict[str, Any]) -> None:

@@ -42,6 +42,21 @@ def test_cli_passes_metrics_port_to_serve_vllm(monkeypatch: pytest.MonkeyPatch, 
     assert r.exit_code == 0, r.output
     assert seen["metrics_port"] == 7002 and seen["hint_port"] == 7001
     assert seen["extra_args"] == ["--max-num-seqs", "4"]
+    assert seen["pin_budget"] is None  # not given: the node's own default, by its host tier
+    r = CliRunner().invoke(hintflow, [*args, "--pin-budget-fraction", "0"])
+    assert r.exit_code == 0, r.output
+    assert seen["pin_budget"] == 0.0  # (zero is a budget, not "unset")
+
+
+def test_the_pin_budget_follows_the_host_tier_unless_set() -> None:
+    from engine_adapter.vllm_backend._hint_scheduler import PIN_BUDGET, PIN_BUDGET_WITH_HOST, pin_budget
+
+    assert pin_budget(None, host_tier=False) == PIN_BUDGET == 0.7
+    assert pin_budget("", host_tier=True) == PIN_BUDGET_WITH_HOST == 0.5
+    assert pin_budget("0.6", host_tier=True) == pin_budget(" 0.6 ", host_tier=False) == 0.6
+    for bad in ("1", "-0.1", "half", "nan"):
+        with pytest.raises(ValueError, match="HINTFLOW_PIN_BUDGET="):
+            pin_budget(bad, host_tier=False)
 
 
 def _scheduler_cls(argv: list[str]) -> str:

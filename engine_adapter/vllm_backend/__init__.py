@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from engine_adapter.vllm_backend._hint_scheduler import (
         AGING_S,
         PIN_BUDGET,
+        PIN_BUDGET_WITH_HOST,
     )
     from engine_adapter.vllm_backend._host_index import (
         HOST_RELOAD_S_PER_TOKEN,
@@ -61,6 +62,7 @@ _LAZY: dict[str, str] = {
     "missing_internals": "engine_adapter.vllm_backend._compat",
     "AGING_S": "engine_adapter.vllm_backend._hint_scheduler",
     "PIN_BUDGET": "engine_adapter.vllm_backend._hint_scheduler",
+    "PIN_BUDGET_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
     "HOST_RELOAD_S_PER_TOKEN": "engine_adapter.vllm_backend._host_index",
     "host_tier_config": "engine_adapter.vllm_backend._host_index",
     "KvResidency": "engine_adapter.vllm_backend._kv_events",
@@ -86,6 +88,7 @@ __all__ = [
     "AUTO_SCHEDULER_CLS",
     "HOST_RELOAD_S_PER_TOKEN",
     "PIN_BUDGET",
+    "PIN_BUDGET_WITH_HOST",
     "REPO",
     "SCHEDULER_CLS",
     "TESTED_VLLM_VERSION",

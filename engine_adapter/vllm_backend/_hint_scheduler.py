@@ -83,7 +83,8 @@ if TYPE_CHECKING:
 else:
     _VllmScheduler = object
 
-__all__ = ["AGING_S", "HOST_RELOAD_S_PER_TOKEN", "PIN_BUDGET", "PRIORITY_SCALE", "HintSchedulerMixin"]
+__all__ = ["AGING_S", "HOST_RELOAD_S_PER_TOKEN", "PIN_BUDGET", "PIN_BUDGET_WITH_HOST", "PRIORITY_SCALE",
+           "HintSchedulerMixin", "pin_budget"]
 
 log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
 
@@ -96,15 +97,39 @@ first turn only if it arrived less than this much later. Strict program FCFS (in
 for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, six pairs on two traces: p99 TTFT
 9-32% lower in five, the same in one; mean JCT within 5% or 13-19% lower (docs/benchmarks.md)."""
 PIN_BUDGET = 0.7
-"""Default share of the pool pins may hold. 0.5 held ~4 of ~30 live contexts under overload; with the
-admission guard limiting how many programs are in flight, and the yield and deadlock rules returning
-pinned blocks whenever an older turn or any progress needs them, more of the pool can bridge pauses."""
+"""Default share of the pool pins may hold on a node with no host tier. 0.5 held ~4 of ~30 live contexts
+under overload; with the admission guard limiting how many programs are in flight, and the yield and
+deadlock rules returning pinned blocks whenever an older turn or any progress needs them, more of the
+pool can bridge pauses. (0.9 did better still on the agent benchmark's trace, 3-4% mean JCT over three
+paired rounds, but in the replay it cost an overloaded multi-agent workload 8-18%: docs/benchmarks.md,
+"The pin budget".)"""
+PIN_BUDGET_WITH_HOST = 0.5
+"""Default share with hintflow's host tier: a context let go is copied back from the host, not re-prefilled,
+so a pin saves less and the room serves waiting turns. Against 0.7, three paired rounds on the agent
+benchmark's trace with a host tier of half the pool: mean JCT 1-10% and p99 TTFT 7-13% lower in every
+round (docs/benchmarks.md, "The pin budget")."""
+
+
+def pin_budget(setting: str | None, *, host_tier: bool) -> float:
+    """The node's pin budget: ``HINTFLOW_PIN_BUDGET`` when set, else the default for its memory
+    (:data:`PIN_BUDGET_WITH_HOST` with the host tier, :data:`PIN_BUDGET` without). ValueError naming the
+    variable for a value that is not a share in [0, 1)."""
+    if setting is None or not setting.strip():
+        return PIN_BUDGET_WITH_HOST if host_tier else PIN_BUDGET
+    try:
+        value = float(setting)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"HINTFLOW_PIN_BUDGET={setting!r}: expected a share of the pool in [0, 1)")
+    return value
 
 
 class HintSchedulerMixin(QueueRules, _VllmScheduler):
     """Goes before vLLM's scheduler class in the bases (``_scheduler``); see the module docstring.
 
-    Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET, HINTFLOW_NODE_ID, HINTFLOW_INFER_HINTS (1),
+    Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET (unset: PIN_BUDGET, or PIN_BUDGET_WITH_HOST with the host
+    tier), HINTFLOW_NODE_ID, HINTFLOW_INFER_HINTS (1),
     HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference), HINTFLOW_INFER_MEMORY_SHARE
     (1: inferred pins priced by the share of the pool they hold; 0: Continuum's cost),
     HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_SILENT_S (30),
@@ -130,7 +155,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.hint_lock = threading.RLock()
         pool = self.kv_cache_manager.block_pool
         self.pins_supported = len(self.kv_cache_config.kv_cache_groups) == 1 and pool.enable_caching
-        budget = float(os.environ.get("HINTFLOW_PIN_BUDGET", str(PIN_BUDGET)))
+        # hintflow's host KV tier (_host_connector), when vLLM runs it (see below for what it changes)
+        self.host_tier: Any = self.connector if hasattr(self.connector, "step_loaded_tokens") else None
+        budget = pin_budget(os.environ.get("HINTFLOW_PIN_BUDGET"), host_tier=self.host_tier is not None)
         self.book = SessionBook(pool, pool.num_gpu_blocks - 1, pin_budget_fraction=budget)  # -1: null block
         self._req_session: dict[str, VSession] = {}
         self.accounting = RequestAccounting()  # per-request hintflow_* series (_accounting, _metrics)
@@ -142,11 +169,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.model_name = str(self.vllm_config.model_config.served_model_name)
         self._epoch_s = self.book.clock()
         self._wall_epoch_s = time.time()  # requests' arrival_time is wall time
-        # hintflow's host KV tier (_host_connector), when vLLM runs it: the accounting splits its hits, a
-        # program's last turn is not copied to the host (no later turn reads it), pins are priced by the
-        # copy back from the host, and new programs are not held back for device room (what does not fit
-        # waits on the host, not for a re-prefill).
-        self.host_tier: Any = self.connector if hasattr(self.connector, "step_loaded_tokens") else None
+        # With the host tier the accounting splits its hits, a program's last turn is not copied to the
+        # host (no later turn reads it), pins are priced by the copy back from the host, the pin budget is
+        # the host tier's, and new programs are not held back for device room (what does not fit waits on
+        # the host, not for a re-prefill).
         if self.host_tier is not None:
             self.host_tier.save_filter = _worth_saving
             self.host_tier.session_key = self._session_key
