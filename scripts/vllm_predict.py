@@ -25,6 +25,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,17 @@ def _setup(real: dict[str, Any], cost_model: str, *, host: bool = False) -> Repl
                        host_capacity_tokens=(cfg.get("host_capacity_tokens") or 0) if host else 0)  # fmt: skip
 
 
-def _mirror(mode: str, host_save: str = "evict") -> str:
-    """The replay spec of a real mode; ``BASE+host`` is BASE's node with a host tier (named apart)."""
+def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None) -> str:
+    """The replay spec of a real mode; ``BASE+host`` is BASE's node with a host tier (named apart).
+    ``pin_budget``: the one the real run gave every node (its report's ``config.pin_budget``; None: the
+    node's own default, by host tier)."""
+    spec = _mirror_default(mode, host_save)
+    if pin_budget is not None:
+        spec = re.sub(r"pin_budget=[0-9.]+", f"pin_budget={pin_budget}", spec)
+    return spec
+
+
+def _mirror_default(mode: str, host_save: str) -> str:
     if mode in MIRRORS:
         return MIRRORS[mode]
     base = mode.removesuffix("+host")
@@ -123,7 +133,7 @@ def calibrate(
     best: tuple[float, str, dict[str, float]] | None = None
     for i, (b, d) in enumerate(itertools.product(PREFILL_S_PER_TOKEN, DECODE_STEP_S)):
         path = _profile(b, d, tmp / f"p{int(host)}-{i}.json")
-        rows = _replay(_setup(real, path, host=host), [_mirror(ref, host_save)])
+        rows = _replay(_setup(real, path, host=host), [_mirror(ref, host_save, real["config"].get("pin_budget"))])
         got = next(iter(rows.values()))
         err = sum(math.log(got[k] / target[k]) ** 2 for k in KEYS)
         if best is None or err < best[0]:
@@ -157,7 +167,7 @@ def main() -> None:
             print(f"fitted to {_reference(group[0])}: prefill {profile['prefill_b_s_per_token']:.3g} s/token, "
                   f"decode step {profile['decode_base_s']} s (replayed {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s "
                   f"JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
-            specs = [_mirror(m, a.host_save) for m in group]
+            specs = [_mirror(m, a.host_save, real["config"].get("pin_budget")) for m in group]
             got = _replay(_setup(real, path, host=host), specs)
             names = [s.partition("=")[0] if "=" in s else s for s in specs]
             pred.update({m: got[n] for m, n in zip(group, names, strict=True)})
