@@ -34,8 +34,7 @@ class HintFlowPolicy(ContinuumPolicy):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.tracker = ProgramTracker(self.pause_model)
-        if self.host_reload is not None or self.pool_tokens is not None:
-            self._host_reload_changed()
+        self._host_reload_changed()  # this policy's own price from the start (the base built Continuum's)
 
     def _host_reload_changed(self) -> None:
         """With a host tier an evicted context comes back by copy, not by re-prefill: a pin saves only the
@@ -47,7 +46,7 @@ class HintFlowPolicy(ContinuumPolicy):
         floor = self.queue_delay_floor  # T at least the wait behind the nodes' prefill backlog, as on the node
         if self.host_reload is None:
             self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload, pool_tokens=self.pool_tokens,
-                                    queue_delay_floor_s=floor)
+                                    queue_delay_floor_s=floor, count_queue_delay=self.queue_delay)
         else:
             prefill, host = self.prefill_reload, self.host_reload
             self.ttl = HostTierTTL(

@@ -80,6 +80,7 @@ class _BasePolicy:
         memory_share: bool = False,
         host_hit_fraction: Callable[[], float] | None = None,
         backlog_floor: bool = True,
+        queue_delay: bool = True,
     ) -> None:
         self.pause_model = pause_model if pause_model is not None else PauseModel()
         self.prefill_reload = prefill_reload
@@ -98,6 +99,10 @@ class _BasePolicy:
         # (``set_queue_delay_floor``; the vLLM node's own inference has the same floor).  Only
         # ``HintFlowPolicy`` uses it, and only with ``backlog_floor``; the baselines price T as their papers do.
         self.backlog_floor = backlog_floor
+        # Whether a pin on a node without a host tier is worth Continuum's queueing term T as well as the
+        # re-prefill (``HintFlowPolicy`` only, on by default; off wins on overloaded nodes: docs/tuning.md;
+        # the baselines price T as their papers do; with a host tier T is left out already: ``HostTierTTL``).
+        self.queue_delay = queue_delay
         self.queue_delay_floor: Callable[[], float] | None = None
         self.ttl = ContinuumTTL(self.pause_model, prefill_reload)
         self.rel_change = rel_change

@@ -45,6 +45,9 @@ POLICY_OPTIONS: dict[str, Option] = {
                                    "policy's; the live runtime uses 5 ticks)", minimum=0.0, nullable=True),
     "backlog_floor": Option(bool, "price a pin with Continuum's T at least the wait behind the nodes' prefill "
                                   "backlog, as the vLLM node's own inference does (hintflow only; default true)"),
+    "queue_delay": Option(bool, "with no host tier, price a pin with Continuum's queueing term T as well as "
+                                "the re-prefill (hintflow only; default true; false: the re-prefill alone, "
+                                "which wins where memory is what every turn queues for)"),
     "memory_share": Option(bool, "price a pin by the share of the device pool it holds, not as if it held "
                                  "the whole pool (hintflow only; default false: Continuum's cost)"),
     "pause.min_samples": Option(int, "pauses a tool needs before its own distribution is used; before "

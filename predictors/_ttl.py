@@ -83,19 +83,24 @@ class ContinuumTTL:
         min_programs: int = 10,
         pool_tokens: Callable[[], float] | None = None,
         queue_delay_floor_s: Callable[[], float] | None = None,
+        count_queue_delay: bool = True,
     ) -> None:
         """``prefill_reload(context_tokens)`` is the seconds to re-prefill a context of that length
         (Continuum uses a profiled quadratic fit).  ``pool_tokens()``: the device pool a pin holds memory
         of, in tokens, read at each decision (0 or None: not known, Continuum's cost).
         ``queue_delay_floor_s()``: a floor under T, read at each decision (the vLLM node's inference
         gives the wait behind the engine's prefill backlog: Continuum's T is 0 until evicted turns have
-        been seen queueing, so under a sudden load no pin would pay exactly when pins matter most)."""
+        been seen queueing, so under a sudden load no pin would pay exactly when pins matter most).
+        ``count_queue_delay=False``: B is the re-prefill alone (T left out, as :class:`HostTierTTL` leaves
+        it out: on nodes where device memory is what every turn queues for, the wait a pin saves its own
+        program it adds to the turns queued behind the memory it holds)."""
         if queue_window < 1:
             raise ValueError(f"queue_window must be >= 1, got {queue_window}")
         self.pause_model = pause_model
         self.prefill_reload = prefill_reload
         self.pool_tokens = pool_tokens
         self.queue_delay_floor_s = queue_delay_floor_s
+        self.count_queue_delay = count_queue_delay
         self.min_programs = min_programs
         self._queue_delays_s: deque[float] = deque(maxlen=queue_window)
         # Exact integer moments of the (k, r = N - k) pairs; Python ints never lose precision.
@@ -118,7 +123,10 @@ class ContinuumTTL:
 
     @property
     def queue_delay_s(self) -> float:
-        """T: 0 until any evicted request has been observed (Continuum's start), at least the floor."""
+        """T: 0 until any evicted request has been observed (Continuum's start), at least the floor; 0
+        when not counted."""
+        if not self.count_queue_delay:
+            return 0.0
         q = self._queue_delays_s
         t = math.fsum(q) / len(q) if q else 0.0
         return max(t, self.queue_delay_floor_s()) if self.queue_delay_floor_s is not None else t

@@ -38,7 +38,10 @@ what differs is only what the paper behind it changes.  Why each field exists:
   when it returns, not by the policy's prediction (Belady's rule over sessions); a pin the policy would
   hold past the return lapses at the return, one that would lapse before it is not held at all (it would
   only keep memory the session does not use in time), and with a host tier the context is fetched back
-  to arrive as the tool returns.  The ``bound`` row, the finite-memory reference beside the
+  to arrive as the tool returns.  Its pins take the policy's TTL with Continuum's queueing term counted
+  (``policy.queue_delay``) as the longest pause worth holding for: a pin that knows the return is never
+  held in vain, and with the shorter re-prefill-only TTL hintflow's default uses it beat hintflow on
+  fewer seeds.  The ``bound`` row, the finite-memory reference beside the
   infinite-memory ``oracle``.  It is a reference, not a proof: no online row should beat it, and
   ``hintflow replay`` says so when one does on a run.  Before its pins knew the pause (Belady's order
   alone) hintflow beat it on five of eight device-only swe-agent seeds; with them, on none (seed 1:
@@ -143,7 +146,7 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
         ReplayConfig(
             "bound", "hintflow", "hintflow", retain_contexts=True, eviction_policy="hinted",
             host_tier=True, cold_prefill_cap=True, ttft_deadline=True, migrate=True, true_next_use=True,
-            yield_pins=True,
+            yield_pins=True, policy_options=(("queue_delay", True),),
             description="analysis, not a policy: hintflow on the same memory, with every tool pause known "
                         "from the trace (the paused context needed furthest ahead is evicted first: Belady "
                         "over sessions; pins held exactly to the return or not at all; reloads timed to it)",

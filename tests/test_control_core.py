@@ -172,19 +172,25 @@ def test_the_runtime_and_the_vllm_harness_feed_a_policy_as_the_core_does() -> No
     assert ended.duration_s == pytest.approx(0.2)  # to the next turn, not the tool's own 0.1 s
 
 
-@pytest.mark.parametrize("spec", ["hintflow", "hintflow:backlog_floor=false", "continuum"])
+@pytest.mark.parametrize(
+    "spec", ["hintflow", "hintflow:backlog_floor=false", "continuum", "hintflow:queue_delay=false"]
+)
 def test_hintflow_prices_t_at_least_the_wait_behind_the_nodes_prefill_backlog(spec: str) -> None:
     """As the vLLM node's own inference does: Continuum's T is 0 until evicted turns were seen queueing, so
-    under a sudden load no pin would pay; the nodes' backlog is the wait a recomputed turn sees now."""
+    under a sudden load no pin would pay; the nodes' backlog is the wait a recomputed turn sees now.  With
+    ``queue_delay=false`` hintflow leaves T out of a pin's price altogether."""
     backlog = {"a": 0}
     core = ControlCore(spec, nodes=["a", "b"], prefill_prior=lambda n: 1e-3 * n)
     core.node_seen("a", host_tier=False, pool_tokens=1000, prefill_backlog_tokens=lambda: backlog["a"])
     core.node_seen("b", host_tier=False, pool_tokens=1000, prefill_backlog_tokens=3000)
     ttl: Any = core.policy.ttl  # type: ignore[attr-defined]
+    counted = spec != "hintflow:queue_delay=false"
     floored = spec == "hintflow"
     assert ttl.queue_delay_s == pytest.approx(1.5 if floored else 0.0)  # the mean of 0 s and 3 s
     backlog["a"] = 1000  # read at each decision
     assert ttl.queue_delay_s == pytest.approx(2.0 if floored else 0.0)
     ttl.observe_evicted_queue_delay(5.0)  # a measured T above the floor stands
-    assert ttl.queue_delay_s == pytest.approx(5.0)
+    assert ttl.queue_delay_s == pytest.approx(5.0 if counted else 0.0)
+    if not counted:  # a pin is then worth the re-prefill alone
+        assert ttl.benefit_s(1000) == pytest.approx(ttl.prefill_reload(1000) * ttl.memory_scale(1000))
 

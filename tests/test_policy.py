@@ -264,7 +264,8 @@ def test_hintflow_prices_a_pin_by_the_cheaper_of_reprefill_and_host_reload() -> 
 
 def test_hintflow_with_a_host_tier_leaves_queueing_out_of_a_pins_price() -> None:
     """Queueing observed on evicted turns (T = 20 s) would make Continuum pin for ln(20.5) s; with a host
-    tier hintflow prices the pin by the 0.5 s reload alone (B < 1: no pin).  Without one it keeps T."""
+    tier hintflow prices the pin by the 0.5 s reload alone (B < 1: no pin).  Without one, by the 10 s
+    re-prefill and T (ln 30 s), or by the re-prefill alone with ``queue_delay=False`` (ln 10 s)."""
     ev = ToolStarted("p", "s", "bash", 0.0, 1000)
 
     def pin_ttl(name: str, **kw: object) -> float:
@@ -275,6 +276,7 @@ def test_hintflow_with_a_host_tier_leaves_queueing_out_of_a_pins_price() -> None
 
     assert pin_ttl("continuum", host_reload=lambda n: 0.5) == pytest.approx(math.log(30.0), rel=1e-2)
     assert pin_ttl("hintflow") == pytest.approx(math.log(30.0), rel=1e-2)  # no host tier: T counts
+    assert pin_ttl("hintflow", queue_delay=False) == pytest.approx(math.log(10.0), rel=1e-2)  # re-prefill alone
     assert pin_ttl("hintflow", host_reload=lambda n: 0.5) == 0.0
 
 
