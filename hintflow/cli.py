@@ -243,7 +243,7 @@ def serve(
                 port=port,
                 hint_port=hint_port,
                 metrics_port=overrides.get("metrics_port"),
-                pin_budget=overrides.get("pin_budget_fraction"),  # None: the node's default_pin_budget
+                pin_budget=overrides.get("pin_budget_fraction"),  # None: the node's own default (_hint_scheduler.pin_budget)
                 node_id=overrides.get("node_id") or "vllm-0",
                 state_dir=state_dir,
                 python=vllm_python,

@@ -25,7 +25,6 @@ import argparse
 import itertools
 import json
 import math
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,6 @@ MIRRORS = {
     "thunderagent": f"node.thunderagent=thunderagent:{NODE}",  # with its controller, as the harness runs it
 }
 HOST = {"evict": "host_tier=true", "write-through": "host_tier=true,host_write_through=true"}
-WITH_HOST_BUDGET = (f"pin_budget={PIN_BUDGET}", f"pin_budget={PIN_BUDGET_WITH_HOST}")  # the node's, by host tier
 """A ``+host`` mode's node, by how the real run's host connector saved blocks (``--host-save``; the stock
 scheduler's ``vanilla+host`` runs the same connector): when the device evicts them (the connector's
 default since 2026-12-03; the replay's own tier does the same), or write-through as they fill, least
@@ -81,20 +79,14 @@ def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None
     """The replay spec of a real mode; ``BASE+host`` is BASE's node with a host tier (named apart).
     ``pin_budget``: the one the real run gave every node (its report's ``config.pin_budget``; None: the
     node's own default, by host tier)."""
-    spec = _mirror_default(mode, host_save)
-    if pin_budget is not None:
-        spec = re.sub(r"pin_budget=[0-9.]+", f"pin_budget={pin_budget}", spec)
-    return spec
-
-
-def _mirror_default(mode: str, host_save: str) -> str:
-    if mode in MIRRORS:
-        return MIRRORS[mode]
+    host = mode.endswith("+host")
+    budget = pin_budget if pin_budget is not None else PIN_BUDGET_WITH_HOST if host else PIN_BUDGET
     base = mode.removesuffix("+host")
-    spec = MIRRORS[base]
+    spec = MIRRORS[base].replace(f"pin_budget={PIN_BUDGET}", f"pin_budget={budget}")
+    if not host:
+        return spec
     if "=" in spec:
-        spec = spec.replace(f"node.{base}=", f"node.{mode}=", 1).replace(*WITH_HOST_BUDGET)
-        return spec + f",{HOST[host_save]}"
+        return spec.replace(f"node.{base}=", f"node.{mode}=", 1) + f",{HOST[host_save]}"
     return f"node.{mode}={spec}:{HOST[host_save]}"
 
 
