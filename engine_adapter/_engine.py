@@ -31,6 +31,7 @@ from hints import (
     new_node_epoch,
     residency_reported,
 )
+from predictors import PrefillShare
 
 from ._context_blocks import ContextHeader
 from ._context_export import ContextExport, begin_export, drop_exported
@@ -99,6 +100,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(self.kv, self.clock, scheduler_config)
         self.scheduler.on_finish = self._on_finish
+        self.prefill_share = PrefillShare()  # of this node's step time (the measured pin price reads it)
         self.observers: list[EngineObserver] = []
         self.lock = threading.RLock()
         # Held by a step from schedule to update, and by whatever else writes KV (ImportContext): the forward
@@ -245,10 +247,17 @@ class EngineCore:
             if isinstance(self.clock, VirtualClock):
                 self.clock.advance(out.elapsed_s)
             self.scheduler.update(batch, out)
+            self.observe_step(batch, out.elapsed_s)
             for o in self.observers:
                 o.on_step(batch, out)
             self._changed()
         return out
+
+    def observe_step(self, batch: ScheduledBatch, elapsed_s: float) -> None:
+        """A step ran ``batch`` in ``elapsed_s``: what it says about this node's load (``prefill_share``).
+        Decodes as the cost model counts them: one new token after a cached prefix."""
+        num_decodes = sum(1 for q in batch.seqs if len(q.token_ids) == 1 and q.start_pos > 0)
+        self.prefill_share.observe(batch.num_tokens - num_decodes, num_decodes, elapsed_s)
 
     def has_work(self) -> bool:
         with self.lock:
@@ -361,6 +370,8 @@ class EngineCore:
                 host_reload_s_per_token=float(getattr(self.executor, "host_reload_s_per_token", 0.0)),
                 host_hit_fraction=kv.host_hits.fraction() if kv.host.num_blocks else 0.0,
                 node_epoch=self.node_epoch,
+                prefill_share=min(1.0, self.prefill_share.fraction()),
+                unpinned_survival=kv.unpinned_survival.fraction(),
             )
 
     # ---- moving contexts between nodes (_context_export, _context_import, _context_transfer) ---

@@ -285,6 +285,8 @@ class Scheduler:
                 return
             self._remove_waiting(req)
             req._plan_memo.release()  # out of the queue: no more plans (and off the pool's watch lists)
+            if not req.admitted and s.pinned_blocks == 0:  # what the device kept of a context no pin held
+                self.kv.unpinned_survival.observe(req.num_history_tokens, plan.num_cached_tokens)
             self.kv.consume_pin(s)
             if req.admit_reason is not None:
                 self.admit_stats[req.admit_reason] += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from predictors import HostHitShare
+from predictors import HostHitShare, UnpinnedSurvival
 
 from ._block_pool import NONE_HASH, BlockPool, hash_block_tokens
 from ._eviction import SessionHeap, get_eviction_policy
@@ -92,6 +92,7 @@ class SessionTable:
         self.host_write_through = host_write_through and num_host_blocks > 0
         self._host_policy = get_eviction_policy("lru") if self.host_write_through else self.policy
         self.host_hits = HostHitShare()  # what the host tier gave back of evicted contexts (KVCacheManager.attach)
+        self.unpinned_survival = UnpinnedSurvival()  # what the device kept of contexts no pin held (attach)
         self.sessions: dict[str, Session] = {}
         # program -> its sessions in creation order (a dict, not a set: releasing a program frees them in
         # an order that must not depend on string hashing, or replays differ between runs)

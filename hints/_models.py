@@ -269,6 +269,10 @@ class CacheState(_Frozen):
     # this node process's life (a random nonzero id drawn at start; 0: a node that does not say): a new
     # epoch is a restart, an empty node
     node_epoch: Annotated[int, Field(ge=0, le=_UINT64_MAX)] = 0
+    # the measured pin price's readings (predictors.PrefillShare, UnpinnedSurvival; 0: not known): the
+    # share of step time spent prefilling, and of an unpinned context still on the device at its return
+    prefill_share: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
+    unpinned_survival: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
 
     @property
     def kv_utilization(self) -> float:

@@ -510,6 +510,8 @@ class CacheState(_message.Message):
     HOST_RELOAD_S_PER_TOKEN_FIELD_NUMBER: _builtins.int
     HOST_HIT_FRACTION_FIELD_NUMBER: _builtins.int
     NODE_EPOCH_FIELD_NUMBER: _builtins.int
+    PREFILL_SHARE_FIELD_NUMBER: _builtins.int
+    UNPINNED_SURVIVAL_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model_name: _builtins.str
     block_size: _builtins.int
@@ -536,6 +538,12 @@ class CacheState(_message.Message):
     """this node process's life: a random nonzero id drawn at start, so a restarted node (empty) is told
     apart from the one before it, and hints meant for the earlier life are refused (HintBatch.node_epoch)
     """
+    prefill_share: _builtins.float
+    """the share of this node's step time spent prefilling lately (predictors.PrefillShare), and the share of
+    a returning turn's context still on the device when no pin held it (predictors.UnpinnedSurvival):
+    where the node has no host tier, the orchestrator's hintflow policy prices pins by them (0: not known)
+    """
+    unpinned_survival: _builtins.float
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionResidency]: ...
     def __init__(
@@ -558,10 +566,12 @@ class CacheState(_message.Message):
         host_reload_s_per_token: _builtins.float = ...,
         host_hit_fraction: _builtins.float = ...,
         node_epoch: _builtins.int = ...,
+        prefill_share: _builtins.float = ...,
+        unpinned_survival: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_fraction", b"host_hit_fraction", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_epoch", b"node_epoch", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "sessions", b"sessions", "total_blocks", b"total_blocks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "host_free_blocks", b"host_free_blocks", "host_hit_fraction", b"host_hit_fraction", "host_reload_s_per_token", b"host_reload_s_per_token", "host_total_blocks", b"host_total_blocks", "model_name", b"model_name", "node_epoch", b"node_epoch", "node_id", b"node_id", "node_time_s", b"node_time_s", "num_running", b"num_running", "num_waiting", b"num_waiting", "pinned_blocks", b"pinned_blocks", "prefill_backlog_tokens", b"prefill_backlog_tokens", "prefill_share", b"prefill_share", "sessions", b"sessions", "total_blocks", b"total_blocks", "unpinned_survival", b"unpinned_survival", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

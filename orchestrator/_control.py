@@ -32,6 +32,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from hints import EvictionOrder, Expect, HintModel, Pin, Prefetch, Priority, Release
@@ -71,6 +72,8 @@ class _NodeKnobs:
     host_hit_fraction: Reading
     reload_s_per_token: Reading
     prefill_backlog_tokens: Reading
+    prefill_share: Reading
+    unpinned_survival: Reading
 
 
 class ControlCore:
@@ -119,15 +122,19 @@ class ControlCore:
         set_floor = getattr(self.policy, "set_queue_delay_floor", None)
         if self._auto and set_floor is not None:
             set_floor(self._backlog_wait_s)
+        set_signals = getattr(self.policy, "set_node_signals", None)
+        if self._auto and set_signals is not None:
+            set_signals(partial(self._mean_reading, "prefill_share"), partial(self._mean_reading, "unpinned_survival"))
 
     # ---- nodes --------------------------------------------------------------------------------------
     def node_seen(
         self, node: str, *, host_tier: bool, pool_tokens: float, host_hit_fraction: Reading = 1.0,
         reload_s_per_token: Reading = 0.0, prefill_backlog_tokens: Reading = 0.0,
+        prefill_share: Reading = 0.0, unpinned_survival: Reading = 0.0,
     ) -> None:
         """What a node's cache state says about pricing (see the module doc); call it with every state."""
         self._knobs[node] = _NodeKnobs(host_tier, float(pool_tokens), host_hit_fraction, reload_s_per_token,
-                                       prefill_backlog_tokens)
+                                       prefill_backlog_tokens, prefill_share, unpinned_survival)
         if node not in self.nodes:
             self.nodes.append(node)
         every = bool(self.nodes) and all(a in self._knobs and self._knobs[a].host_tier for a in self.nodes)
@@ -146,6 +153,11 @@ class ControlCore:
 
         set_host_reload(copy_back_s if every else None, hit_share if every else None)
         logger.info("host tier on every node: %s; pins priced by %s", every, "the copy back" if every else "re-prefill")
+
+    def _mean_reading(self, name: str) -> float:
+        """The mean over the nodes of one of their readings (0 before any node was seen)."""
+        values = [_read(getattr(k, name)) for k in self._knobs.values()]
+        return sum(values) / len(values) if values else 0.0
 
     def _backlog_wait_s(self) -> float:
         """The wait behind the nodes' prefill backlog (the mean over the nodes, priced at the learned

@@ -44,7 +44,10 @@ class HintFlowPolicy(ContinuumPolicy):
         node's own inference prices it. The estimates learned so far carry over."""
         old = self.ttl
         floor = self.queue_delay_floor  # T at least the wait behind the nodes' prefill backlog, as on the node
-        if self.host_reload is None:
+        if self.host_reload is None and self.prefill_share is not None:  # the measured price (ContinuumTTL)
+            self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload, pool_tokens=self._pool_reading,
+                                    prefill_share=self.prefill_share, unpinned_survival=self.unpinned_survival)
+        elif self.host_reload is None:
             self.ttl = ContinuumTTL(self.pause_model, self.prefill_reload, pool_tokens=self.pool_tokens,
                                     queue_delay_floor_s=floor, count_queue_delay=self.queue_delay)
         else:

@@ -81,6 +81,7 @@ class _BasePolicy:
         host_hit_fraction: Callable[[], float] | None = None,
         backlog_floor: bool = True,
         queue_delay: bool = True,
+        measured_price: bool = True,
     ) -> None:
         self.pause_model = pause_model if pause_model is not None else PauseModel()
         self.prefill_reload = prefill_reload
@@ -95,6 +96,7 @@ class _BasePolicy:
         # (HintFlowPolicy; off by default here, on in the vLLM node's own inference: docs/tuning.md).
         self.pool_tokens = pool_tokens if memory_share else None
         self.memory_share = memory_share
+        self._pool_reading = pool_tokens  # (the measured price reads the pool whatever ``memory_share``)
         # A floor under Continuum's T, read at each decision: the wait behind the nodes' prefill backlog
         # (``set_queue_delay_floor``; the vLLM node's own inference has the same floor).  Only
         # ``HintFlowPolicy`` uses it, and only with ``backlog_floor``; the baselines price T as their papers do.
@@ -104,6 +106,12 @@ class _BasePolicy:
         # the baselines price T as their papers do; with a host tier T is left out already: ``HostTierTTL``).
         self.queue_delay = queue_delay
         self.queue_delay_floor: Callable[[], float] | None = None
+        # With no host tier, price a pin by what the nodes measure (``ContinuumTTL``'s measured price: the
+        # prefill share of their step time, what they keep of unpinned contexts, the pool share a pin
+        # holds) instead of Continuum's T (``HintFlowPolicy`` only; ``set_node_signals`` gives the readings).
+        self.measured_price = measured_price
+        self.prefill_share: Callable[[], float] | None = None
+        self.unpinned_survival: Callable[[], float] | None = None
         self.ttl = ContinuumTTL(self.pause_model, prefill_reload)
         self.rel_change = rel_change
         # ... and by more than this many seconds: a prediction that stays "D from now" (memoryless) moves
@@ -132,6 +140,15 @@ class _BasePolicy:
         """The nodes' device pool in tokens, read at each decision (the live runtime learns it from
         ``CacheState``); only ``HintFlowPolicy`` uses it, unless built with ``memory_share=False``."""
         self.pool_tokens = pool_tokens if self.memory_share else None
+        self._pool_reading = pool_tokens
+        self._host_reload_changed()
+
+    def set_node_signals(self, prefill_share: Callable[[], float] | None,
+                         unpinned_survival: Callable[[], float] | None) -> None:
+        """The nodes' prefill share of step time and what they keep of contexts no pin held (``CacheState``),
+        read at each decision; ``HintFlowPolicy`` prices pins by them when built with ``measured_price``."""
+        self.prefill_share = prefill_share if self.measured_price else None
+        self.unpinned_survival = unpinned_survival if self.measured_price else None
         self._host_reload_changed()
 
     def set_queue_delay_floor(self, floor_s: Callable[[], float] | None) -> None:

@@ -48,6 +48,10 @@ POLICY_OPTIONS: dict[str, Option] = {
     "queue_delay": Option(bool, "with no host tier, price a pin with Continuum's queueing term T as well as "
                                 "the re-prefill (hintflow only; default true; false: the re-prefill alone, "
                                 "which wins where memory is what every turn queues for)"),
+    "measured_price": Option(bool, "with no host tier, price a pin by what the nodes measure (the prefill share "
+                                   "of their step time, what they keep of unpinned contexts, the pool share it "
+                                   "holds) instead of Continuum's T (hintflow only; default true; false: "
+                                   "queue_delay and memory_share decide)"),
     "memory_share": Option(bool, "price a pin by the share of the device pool it holds, not as if it held "
                                  "the whole pool (hintflow only; default false: Continuum's cost)"),
     "pause.min_samples": Option(int, "pauses a tool needs before its own distribution is used; before "

@@ -8,6 +8,7 @@ docs/architecture.md, "Which package may import which".
 """
 
 from predictors._host_hit import HOST_HIT_DECAY, HostHitShare
+from predictors._node_signals import PREFILL_SHARE_DECAY, PrefillShare, UnpinnedSurvival
 from predictors._pause_model import (
     EmpiricalDistribution,
     ExponentialDistribution,
@@ -19,6 +20,7 @@ from predictors._ttl import DEFAULT_RENEW_QUANTILE, ContinuumTTL, HostTierTTL, c
 __all__ = [
     "DEFAULT_RENEW_QUANTILE",
     "HOST_HIT_DECAY",
+    "PREFILL_SHARE_DECAY",
     "ContinuumTTL",
     "EmpiricalDistribution",
     "ExponentialDistribution",
@@ -26,5 +28,7 @@ __all__ = [
     "HostTierTTL",
     "PauseDistribution",
     "PauseModel",
+    "PrefillShare",
+    "UnpinnedSurvival",
     "continuum_tau",
 ]

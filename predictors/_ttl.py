@@ -67,6 +67,10 @@ def continuum_tau(dist: PauseDistribution, benefit_s: float) -> float:
     return float(taus[best])
 
 
+MAX_PREFILL_SHARE = 0.95
+"""The measured price reads a prefill share at most this (p / (1 - p) at most 19): a node that only
+prefilled lately would otherwise price a pin as worth any memory."""
+
 DEFAULT_RENEW_QUANTILE = 0.99
 """Under the cold-start default, pins are renewed only while the pause is shorter than this quantile."""
 
@@ -84,6 +88,8 @@ class ContinuumTTL:
         pool_tokens: Callable[[], float] | None = None,
         queue_delay_floor_s: Callable[[], float] | None = None,
         count_queue_delay: bool = True,
+        prefill_share: Callable[[], float] | None = None,
+        unpinned_survival: Callable[[], float] | None = None,
     ) -> None:
         """``prefill_reload(context_tokens)`` is the seconds to re-prefill a context of that length
         (Continuum uses a profiled quadratic fit).  ``pool_tokens()``: the device pool a pin holds memory
@@ -93,7 +99,9 @@ class ContinuumTTL:
         been seen queueing, so under a sudden load no pin would pay exactly when pins matter most).
         ``count_queue_delay=False``: B is the re-prefill alone (T left out, as :class:`HostTierTTL` leaves
         it out: on nodes where device memory is what every turn queues for, the wait a pin saves its own
-        program it adds to the turns queued behind the memory it holds)."""
+        program it adds to the turns queued behind the memory it holds).
+        ``prefill_share()`` (and ``unpinned_survival()``): the measured price instead of T (see
+        :meth:`benefit_s`), from the node's :class:`PrefillShare` and :class:`UnpinnedSurvival`."""
         if queue_window < 1:
             raise ValueError(f"queue_window must be >= 1, got {queue_window}")
         self.pause_model = pause_model
@@ -101,6 +109,8 @@ class ContinuumTTL:
         self.pool_tokens = pool_tokens
         self.queue_delay_floor_s = queue_delay_floor_s
         self.count_queue_delay = count_queue_delay
+        self.prefill_share = prefill_share
+        self.unpinned_survival = unpinned_survival
         self.min_programs = min_programs
         self._queue_delays_s: deque[float] = deque(maxlen=queue_window)
         # Exact integer moments of the (k, r = N - k) pairs; Python ints never lose precision.
@@ -163,9 +173,33 @@ class ContinuumTTL:
     # ---- the rule ------------------------------------------------------------------------------------
     def benefit_s(self, context_tokens: int) -> float:
         """B = T * eta + PrefillReload(ctx): seconds a pin saves if the tool returns in time; with the pool
-        known, per pool-second held (times ``memory_scale``)."""
+        known, per pool-second held (times ``memory_scale``).  With ``prefill_share`` the measured price
+        instead: ``PrefillReload(ctx) * (1 - s) * max(1, p / (1 - p)) * M / c``, where ``s`` is the share
+        of an unpinned context still on the device at its return (the pin saves the rest only), and ``p``
+        the prefill share of the node's step time.  T is left out: the wait a pin saves its own program
+        it gives to the turns queued behind the memory it holds.  What the memory buys is decode
+        batching, ``1 - p`` of the engine's time, what the pin saves is prefill, ``p`` of it; where
+        prefill is most of the work (``p / (1 - p)`` above 1) the re-prefill weighs that much more, where
+        decode is, the price is the memory-share price (never less: a pin that returns still saves its
+        re-prefill)."""
+        measured = self.measured_weights()
+        if measured is not None:
+            lost, weight = measured
+            b = float(self.prefill_reload(context_tokens)) * lost * weight
+            return b * self.memory_scale(context_tokens)
         b = self.queue_delay_s * self.eta + float(self.prefill_reload(context_tokens))
         return b * self.memory_scale(context_tokens)
+
+    def measured_weights(self) -> tuple[float, float] | None:
+        """The measured price's two factors from the node's readings, ``(1 - s, max(1, p / (1 - p)))``
+        (a reading that is not a finite number counts as 0); None without ``prefill_share``."""
+        if self.prefill_share is None:
+            return None
+        p = float(self.prefill_share())
+        p = min(max(p, 0.0), MAX_PREFILL_SHARE) if math.isfinite(p) else 0.0
+        s = float(self.unpinned_survival()) if self.unpinned_survival is not None else 0.0
+        s = min(max(s, 0.0), 1.0) if math.isfinite(s) else 0.0
+        return 1.0 - s, max(1.0, p / (1.0 - p))
 
     def memory_scale(self, context_tokens: int) -> float:
         """M / c, at least 1, for a context of c tokens on a pool of M (1 when the pool is not known)."""

@@ -105,6 +105,7 @@ class SimNode:
     num_bulk_steps: int = 0  # steps applied in bulk (a diagnostic: the same steps, fewer events)
     _last_account_s: float = 0.0
     _last_pinned_tokens: int = 0
+    _elapsed: float = 0.0  # the step in flight's duration (torch: its measured wall time)
     finished: list[Request] = field(default_factory=list)
     _win: DecodeWindow | None = None
     _gen: int = 0
@@ -166,7 +167,7 @@ class SimNode:
             return
         t0 = time.perf_counter()
         out = eng.executor.execute(batch)
-        elapsed = time.perf_counter() - t0 if self.measured else out.elapsed_s
+        elapsed = self._elapsed = time.perf_counter() - t0 if self.measured else out.elapsed_s
         self.num_steps += 1
         self.num_step_tokens += batch.num_tokens
         self.step_s += elapsed
@@ -182,6 +183,7 @@ class SimNode:
     def _end(self, batch: ScheduledBatch, out: StepOutput, on_step_end: Callable[[SimNode], None]) -> None:
         eng = self.core
         eng.scheduler.update(batch, out)
+        eng.observe_step(batch, self._elapsed)
         for o in eng.observers:
             o.on_step(batch, out)
         eng._changed()
@@ -199,6 +201,7 @@ class SimNode:
             s, end_s = win.applied, win.ends[win.applied]
             if s == 0:  # the real first step: as _end, at its own end time
                 eng.scheduler.update(win.batch, win.out)
+                eng.observe_step(win.batch, win.out.elapsed_s)
                 eng._changed()
             else:  # a bulk step: counted as _start counts a step, applied as update would apply it
                 n, e = len(win.reqs), win.elapsed[s]
@@ -207,6 +210,7 @@ class SimNode:
                 self.num_step_tokens += n
                 self.step_s += e
                 self.modeled_step_s += e
+                eng.prefill_share.observe(0, n, e)
                 apply_bulk_step(eng, win)
             self._account(end_s)
             if s < win.last:  # the next step of the window is scheduled at this one's end

@@ -146,7 +146,7 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
         ReplayConfig(
             "bound", "hintflow", "hintflow", retain_contexts=True, eviction_policy="hinted",
             host_tier=True, cold_prefill_cap=True, ttft_deadline=True, migrate=True, true_next_use=True,
-            yield_pins=True, policy_options=(("queue_delay", True),),
+            yield_pins=True, policy_options=(("queue_delay", True), ("measured_price", False)),
             description="analysis, not a policy: hintflow on the same memory, with every tool pause known "
                         "from the trace (the paused context needed furthest ahead is evicted first: Belady "
                         "over sessions; pins held exactly to the return or not at all; reloads timed to it)",

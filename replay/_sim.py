@@ -101,6 +101,7 @@ class Simulation:
                 n.address, host_tier=host_tier, pool_tokens=float(spec.num_device_tokens),
                 host_hit_fraction=n.engine.kv.host_hits.fraction, reload_s_per_token=cm.copy_per_block_s / cm.block_size,
                 prefill_backlog_tokens=n.engine.scheduler.prefill_backlog_tokens,
+                prefill_share=n.engine.prefill_share.fraction, unpinned_survival=n.engine.kv.unpinned_survival.fraction,
             )  # fmt: skip
         self.policy: HintPolicy = self.core.policy
         self.prefill: PrefillEstimator = self.core.prefill

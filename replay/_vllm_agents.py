@@ -95,11 +95,13 @@ class HintPusher:
         # runtime reads it from the state stream
         self.host_hit = 1.0
         self.backlog_tokens = 0  # the node's prefill backlog (CacheState), read with its host hits
+        self.prefill_share = self.survival = 0.0  # the measured pin price's readings (CacheState)
         self.core = ControlCore(policy_name, nodes=[target], prefill_prior=lambda n: s_per_token * n)
         self.core.node_seen(
             target, host_tier=host_s_per_token is not None, pool_tokens=pool_tokens or 0.0,
             host_hit_fraction=lambda: self.host_hit, reload_s_per_token=host_s_per_token or 0.0,
-            prefill_backlog_tokens=lambda: self.backlog_tokens,
+            prefill_backlog_tokens=lambda: self.backlog_tokens, prefill_share=lambda: self.prefill_share,
+            unpinned_survival=lambda: self.survival,
         )  # fmt: skip
         self.channel = grpc.insecure_channel(target)
         self.stub = engine_pb2_grpc.EngineNodeStub(self.channel)
@@ -225,6 +227,8 @@ class HintPusher:
             state = self.stub.GetCacheState(engine_pb2.WatchCacheStateRequest(), timeout=2)
             self.host_hit = min(1.0, max(0.0, float(state.host_hit_fraction)))
             self.backlog_tokens = max(0, int(state.prefill_backlog_tokens))
+            self.prefill_share = min(1.0, max(0.0, float(state.prefill_share)))
+            self.survival = min(1.0, max(0.0, float(state.unpinned_survival)))
             self.node_idle = state.num_running == 0 and state.num_waiting == 0
         except Exception as e:  # keep the last figure: a missed read is not a failed benchmark
             self.codes[f"cache-state:{type(e).__name__}"] += 1

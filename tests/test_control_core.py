@@ -172,11 +172,14 @@ def test_the_runtime_and_the_vllm_harness_feed_a_policy_as_the_core_does() -> No
     assert ended.duration_s == pytest.approx(0.2)  # to the next turn, not the tool's own 0.1 s
 
 
+T_PRICED = "hintflow:measured_price=false"
+
+
 @pytest.mark.parametrize(
-    "spec", ["hintflow", "hintflow:backlog_floor=false", "continuum", "hintflow:queue_delay=false"]
+    "spec", [T_PRICED, f"{T_PRICED},backlog_floor=false", "continuum", f"{T_PRICED},queue_delay=false"]
 )
 def test_hintflow_prices_t_at_least_the_wait_behind_the_nodes_prefill_backlog(spec: str) -> None:
-    """As the vLLM node's own inference does: Continuum's T is 0 until evicted turns were seen queueing, so
+    """As the vLLM node's own inference did: Continuum's T is 0 until evicted turns were seen queueing, so
     under a sudden load no pin would pay; the nodes' backlog is the wait a recomputed turn sees now.  With
     ``queue_delay=false`` hintflow leaves T out of a pin's price altogether."""
     backlog = {"a": 0}
@@ -184,8 +187,8 @@ def test_hintflow_prices_t_at_least_the_wait_behind_the_nodes_prefill_backlog(sp
     core.node_seen("a", host_tier=False, pool_tokens=1000, prefill_backlog_tokens=lambda: backlog["a"])
     core.node_seen("b", host_tier=False, pool_tokens=1000, prefill_backlog_tokens=3000)
     ttl: Any = core.policy.ttl  # type: ignore[attr-defined]
-    counted = spec != "hintflow:queue_delay=false"
-    floored = spec == "hintflow"
+    counted = "queue_delay=false" not in spec
+    floored = spec == T_PRICED
     assert ttl.queue_delay_s == pytest.approx(1.5 if floored else 0.0)  # the mean of 0 s and 3 s
     backlog["a"] = 1000  # read at each decision
     assert ttl.queue_delay_s == pytest.approx(2.0 if floored else 0.0)
@@ -194,3 +197,24 @@ def test_hintflow_prices_t_at_least_the_wait_behind_the_nodes_prefill_backlog(sp
     if not counted:  # a pin is then worth the re-prefill alone
         assert ttl.benefit_s(1000) == pytest.approx(ttl.prefill_reload(1000) * ttl.memory_scale(1000))
 
+
+
+def test_hintflow_prices_a_pin_by_what_the_nodes_measure() -> None:
+    """The default price with no host tier: the re-prefill, less what the nodes keep of unpinned contexts,
+    weighed by how much of their step time is prefill (p / (1 - p), never below 1), per share of the pool;
+    T is not in it.  The readings are the nodes' (their mean), read at each decision."""
+    reading = {"p": 0.0, "s": 0.0}
+    core = ControlCore("hintflow", nodes=["a", "b"], prefill_prior=lambda n: 1e-3 * n)
+    core.node_seen("a", host_tier=False, pool_tokens=4000, prefill_share=lambda: reading["p"],
+                   unpinned_survival=lambda: reading["s"])
+    core.node_seen("b", host_tier=False, pool_tokens=4000, prefill_share=0.8, unpinned_survival=0.5)
+    ttl: Any = core.policy.ttl  # type: ignore[attr-defined]
+    ttl.observe_evicted_queue_delay(50.0)  # T, however long, is not counted
+    reload_s = 1e-3 * 1000
+    assert ttl.benefit_s(1000) == pytest.approx(reload_s * 0.75 * 1.0 * 4.0)  # p 0.4: the floor of 1
+    reading.update(p=0.9, s=0.1)  # mean p 0.85, s 0.3
+    assert ttl.benefit_s(1000) == pytest.approx(reload_s * 0.7 * (0.85 / 0.15) * 4.0)
+    reading.update(p=1.0, s=0.0)  # mean p 0.9, s 0.25
+    assert ttl.benefit_s(1000) == pytest.approx(reload_s * 0.75 * (0.9 / 0.1) * 4.0)
+    # a pause that returns before the pin lapses pays: a long price pins through the default pause
+    assert ttl.ttl("bash", 1000) > 0.0

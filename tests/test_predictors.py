@@ -318,3 +318,44 @@ def test_host_hit_share_weighs_tokens_forgets_slowly_and_ignores_device_hits() -
     assert share.fraction() < 0.01  # the past fades
     with pytest.raises(ValueError, match="decay"):
         HostHitShare(decay=1.0)
+
+
+def test_prefill_share_splits_steps_by_what_a_decode_step_alone_lasts() -> None:
+    from predictors import PrefillShare, UnpinnedSurvival
+
+    share = PrefillShare(decay=0.5)
+    assert share.fraction() == 0.0  # nothing seen: no claim
+    share.observe(0, 4, 0.01)  # decodes alone: 10 ms
+    share.observe(500, 4, 0.06)  # mixed: 50 ms of it prefill
+    assert share.fraction() == pytest.approx((0.05) / (0.5 * 0.01 + 0.06))
+    share.observe(300, 0, 0.03)  # no decodes: all prefill
+    assert share.fraction() == pytest.approx((0.5 * 0.05 + 0.03) / (0.25 * 0.01 + 0.5 * 0.06 + 0.03))
+    before = share.fraction()
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        share.observe(100, 1, bad)  # a step with no measurable time says nothing
+    share.observe(0, 0, 1.0)  # ... nor one that ran nothing
+    assert share.fraction() == before
+    with pytest.raises(ValueError, match="decay"):
+        PrefillShare(decay=1.0)
+
+    keep = UnpinnedSurvival(decay=0.5)
+    assert keep.fraction() == 0.0  # taken as lost until one is seen to survive
+    keep.observe(1000, 600)
+    keep.observe(0, 0)  # a first turn: no history, nothing to say
+    keep.observe(1000, 5000)  # a hit longer than the history counts as all of it
+    assert keep.fraction() == pytest.approx((0.5 * 600 + 1000) / (0.5 * 1000 + 1000))
+    assert keep.num_observed == 2
+
+
+def test_measured_price_caps_the_prefill_share_and_ignores_bad_readings() -> None:
+    model = PauseModel(min_samples=1)
+    reading = {"p": 1.0, "s": 0.0}
+    ttl = ContinuumTTL(model, lambda n: 1e-3 * n, pool_tokens=lambda: 2000.0,
+                       prefill_share=lambda: reading["p"], unpinned_survival=lambda: reading["s"])
+    ttl.observe_evicted_queue_delay(100.0)
+    assert ttl.benefit_s(1000) == pytest.approx(1.0 * (0.95 / 0.05) * 2.0)  # p read at most 0.95
+    reading.update(p=math.nan, s=math.nan)  # a broken reading prices as none: the memory-share price
+    assert ttl.benefit_s(1000) == pytest.approx(1.0 * 2.0)
+    reading.update(p=0.2, s=1.0)  # every unpinned context survives: a pin saves nothing
+    assert ttl.benefit_s(1000) == 0.0
+    assert ttl.ttl("t", 1000) == 0.0

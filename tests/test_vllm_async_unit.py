@@ -15,7 +15,7 @@ def test_one_step_at_a_time_measures_from_scheduling() -> None:
     assert not steps.computing
     steps.scheduled(out, 100, now_s=1.0)
     assert steps.computing and len(steps) == 1
-    assert steps.returned(out, now_s=1.5) == (100, 0.5)
+    assert steps.returned(out, now_s=1.5) == (100, 0.5, 0)
     assert not steps.computing and len(steps) == 0
 
 
@@ -26,11 +26,11 @@ def test_two_steps_out_as_under_async_scheduling() -> None:
     steps.scheduled(s1, 100, now_s=0.0)
     steps.scheduled(s2, 0, now_s=0.1)  # nothing schedulable: step 1 holds the requests' last tokens
     assert steps.computing  # step 1 is still out: a step that schedules nothing now is not a deadlock
-    assert steps.returned(s1, now_s=0.5) == (100, 0.5)
+    assert steps.returned(s1, now_s=0.5) == (100, 0.5, 0)
     assert not steps.computing  # only the empty step is out
     steps.scheduled(s3, 200, now_s=0.6)
-    assert steps.returned(s2, now_s=0.7) == (0, pytest.approx(0.2))  # from step 1's return, not from its scheduling
-    assert steps.returned(s3, now_s=1.0) == (200, pytest.approx(0.3))  # from step 2's return (0.7), after its scheduling
+    assert steps.returned(s2, now_s=0.7) == (0, pytest.approx(0.2), 0)  # from step 1's return, not from its scheduling
+    assert steps.returned(s3, now_s=1.0) == (200, pytest.approx(0.3), 0)  # from step 2's return (0.7), after its scheduling
 
 
 def test_an_unknown_output_changes_nothing_and_a_skipped_one_is_dropped() -> None:
@@ -39,7 +39,7 @@ def test_an_unknown_output_changes_nothing_and_a_skipped_one_is_dropped() -> Non
     steps.scheduled(s1, 10, now_s=0.0)
     steps.scheduled(s2, 20, now_s=0.0)
     assert steps.returned(object(), now_s=0.1) is None and len(steps) == 2
-    assert steps.returned(s2, now_s=0.2) == (20, pytest.approx(0.1))  # s1 never came back: dropped with it
+    assert steps.returned(s2, now_s=0.2) == (20, pytest.approx(0.1), 0)  # s1 never came back: dropped with it
     assert len(steps) == 0
 
 

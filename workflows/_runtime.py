@@ -327,7 +327,8 @@ class HintRuntime:
                     if publisher is not None:  # a restarted node: hints queued for its earlier life go
                         publisher.note_node_epoch(state.node_epoch)
                     self.note_node_state(addr, state.host_total_blocks > 0, state.total_blocks * state.block_size,
-                                         state.host_hit_fraction, state.prefill_backlog_tokens)
+                                         state.host_hit_fraction, state.prefill_backlog_tokens,
+                                         state.prefill_share, state.unpinned_survival)
                     backoff_s = 0.1
             except asyncio.CancelledError:
                 raise
@@ -342,15 +343,16 @@ class HintRuntime:
 
     def note_node_state(
         self, addr: str, has_host_tier: bool, pool_tokens: float, host_hit_fraction: float = 1.0,
-        prefill_backlog_tokens: int = 0,
+        prefill_backlog_tokens: int = 0, prefill_share: float = 0.0, unpinned_survival: float = 0.0,
     ) -> None:
         """What ``addr``'s cache state says about pricing pins (``ControlCore.node_seen``): its host tier,
-        its pool and what its tier gives back; its copy-back cost is the router's measure, read at each
+        its pool and what its tier gives back, its prefill share and what it keeps of unpinned contexts; its copy-back cost is the router's measure, read at each
         decision, so a torch node's measured cost, once it has copied anything, takes over the default."""
         self.core.node_seen(
             addr, host_tier=has_host_tier, pool_tokens=float(pool_tokens), host_hit_fraction=host_hit_fraction,
             reload_s_per_token=functools.partial(self.router.host_reload_s, addr),
-            prefill_backlog_tokens=prefill_backlog_tokens,
+            prefill_backlog_tokens=prefill_backlog_tokens, prefill_share=prefill_share,
+            unpinned_survival=unpinned_survival,
         )  # fmt: skip
 
     async def _tick_loop(self) -> None:

@@ -39,31 +39,32 @@ class StepsInFlight:
     output never comes back (an engine error mid-step) must not hold its ``SchedulerOutput`` forever."""
 
     def __init__(self) -> None:
-        self._steps: deque[tuple[object, float, int]] = deque(maxlen=self.MAX_STEPS)
+        self._steps: deque[tuple[object, float, int, int]] = deque(maxlen=self.MAX_STEPS)
         self._last_return_s = -math.inf
 
     def __len__(self) -> int:
         return len(self._steps)
 
-    def scheduled(self, output: object, tokens: int, now_s: float) -> None:
-        """vLLM's scheduler produced ``output`` (``tokens`` scheduled) at ``now_s``."""
-        self._steps.append((output, now_s, tokens))
+    def scheduled(self, output: object, tokens: int, now_s: float, num_decodes: int = 0) -> None:
+        """vLLM's scheduler produced ``output`` (``tokens`` scheduled, ``num_decodes`` of them one-token
+        decodes) at ``now_s``."""
+        self._steps.append((output, now_s, tokens, num_decodes))
 
     @property
     def computing(self) -> bool:
         """Whether a step that scheduled tokens is still out: progress is pending."""
-        return any(tokens for _, _, tokens in self._steps)
+        return any(tokens for _, _, tokens, _ in self._steps)
 
-    def returned(self, output: object, now_s: float) -> tuple[int, float] | None:
-        """``output``'s step came back at ``now_s``: its (tokens, seconds of compute), or None when it was
-        not recorded here. Steps recorded before it are dropped (vLLM returns steps in order, so they
+    def returned(self, output: object, now_s: float) -> tuple[int, float, int] | None:
+        """``output``'s step came back at ``now_s``: its (tokens, seconds of compute, decodes), or None when
+        it was not recorded here. Steps recorded before it are dropped (vLLM returns steps in order, so they
         will not come back)."""
         last, self._last_return_s = self._last_return_s, now_s
-        for i, (out, scheduled_s, tokens) in enumerate(self._steps):
+        for i, (out, scheduled_s, tokens, num_decodes) in enumerate(self._steps):
             if out is output:
                 for _ in range(i + 1):
                     self._steps.popleft()
-                return tokens, now_s - max(scheduled_s, last)
+                return tokens, now_s - max(scheduled_s, last), num_decodes
         return None
 
 

@@ -84,6 +84,8 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
             host_reload_s_per_token=float(getattr(sched, "host_reload_s_per_token", 0.0)),
             host_hit_fraction=sched.host_hits.fraction() if tier is not None else 0.0,
             node_epoch=sched.node_epoch,
+            prefill_share=min(1.0, sched.prefill_share.fraction()),
+            unpinned_survival=sched.unpinned_survival.fraction(),
         )
 
 

@@ -63,7 +63,7 @@ from pydantic import TypeAdapter, ValidationError
 from engine_adapter._engine_errors import FailedPrecondition
 from engine_adapter._queue_place import queue_place
 from hints import OptionalProgramId, SessionId, new_node_epoch
-from predictors import HostHitShare
+from predictors import HostHitShare, PrefillShare, UnpinnedSurvival
 
 from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, CLASS_SCALE, PRIORITY_SCALE, QueueRules
@@ -186,6 +186,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # What the host tier gives back of evicted contexts: prices this node's inferred pins and, through
         # CacheState, the orchestrator's
         self.host_hits = HostHitShare()
+        # The measured pin price's two readings (predictors._node_signals), reported in CacheState too
+        self.prefill_share = PrefillShare()
+        self.unpinned_survival = UnpinnedSurvival()
         self.infer: HintInference | None = None
         if infer_enabled():
             env = os.environ.get
@@ -201,6 +204,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 if env("HINTFLOW_INFER_MEMORY_SHARE", "1").strip().lower() not in {"0", "false", "no", "off"}
                 else None,
                 host_hits=self.host_hits,
+                prefill_share=self.prefill_share.fraction, unpinned_survival=self.unpinned_survival.fraction,
+                measured_price=env("HINTFLOW_INFER_MEASURED_PRICE", "1").strip().lower() not in {"0", "false", "no", "off"},
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self._next_log_s = 0.0
@@ -386,6 +391,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     history = self.accounting.on_scheduled(req, new.num_computed_tokens, s, host)
                     if history and self.host_tier is not None:
                         self.host_hits.observe(history, new.num_computed_tokens - host, host)
+                    if history and s is not None and not s.held:  # what the device kept with no pin
+                        self.unpinned_survival.observe(history, new.num_computed_tokens - host)
                 if s is None:
                     continue
                 if req is not None and req.num_preemptions:  # resumed (the V2 model runner lists it as new)
@@ -405,7 +412,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     s.admitted.add(rid)
             # An earlier step still computing is progress (async scheduling): its output may free blocks.
             computing = self.steps.computing
-            self.steps.scheduled(out, out.total_num_scheduled_tokens, self.book.clock())
+            num_decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+            self.steps.scheduled(out, out.total_num_scheduled_tokens, self.book.clock(), num_decodes)
             self._log_stats()
             starved = out.total_num_scheduled_tokens == 0 and (len(self.waiting) or len(self.running))
             if starved and not computing and self.book.num_pinned_blocks and self.book.force_unpin_latest():
@@ -427,6 +435,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             )
             if self.host_tier is not None:
                 extra += f" host_hit={inf.host_hit_fraction():.2f}"
+        # the measured pin price's readings (what the node reports as CacheState.prefill_share and
+        # unpinned_survival)
+        extra += f" prefill_share={self.prefill_share.fraction():.2f} unpinned_kept={self.unpinned_survival.fraction():.2f}"
         a = self.admit_stats
         log.info(
             "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d%s"
@@ -439,8 +450,11 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         with self.hint_lock:
             step = self.steps.returned(scheduler_output, self.book.clock())
-            if step is not None and self.infer is not None:
-                self.infer.observe_step(*step)
+            if step is not None:
+                tokens, seconds, num_decodes = step
+                self.prefill_share.observe(tokens - num_decodes, num_decodes, seconds)
+                if self.infer is not None:
+                    self.infer.observe_step(tokens, seconds)
             out = super().update_from_output(scheduler_output, *args, **kwargs)
             self.accounting.after_step()
             return out

@@ -98,6 +98,9 @@ class HintInference:
         host_reload_s_per_token: float | None = None,
         pool_tokens: Callable[[], float] | None = None,
         host_hits: HostHitShare | None = None,
+        prefill_share: Callable[[], float] | None = None,
+        unpinned_survival: Callable[[], float] | None = None,
+        measured_price: bool = True,
     ) -> None:
         """``reload_s_per_token`` fixes the re-prefill cost (a profile, as Continuum's fit) instead of
         measuring it; ``silent_min_s`` is the least silence after which a program is released;
@@ -107,7 +110,11 @@ class HintInference:
         ``pool_tokens()``: the device pool in tokens; pins are then priced by the share of it they hold
         (``ContinuumTTL``'s memory share, as the orchestrator's ``hintflow`` policy prices them).
         ``host_hits``: the node's measure of what its host tier gives back (the scheduler's, which it also
-        reports in ``CacheState``); a fresh one fed by ``observe_host_reload`` if not given."""
+        reports in ``CacheState``); a fresh one fed by ``observe_host_reload`` if not given.
+        ``prefill_share()``, ``unpinned_survival()``: the node's readings (the scheduler's
+        ``PrefillShare`` and ``UnpinnedSurvival``); with them and ``measured_price``, a node without a host
+        tier prices pins by ``ContinuumTTL``'s measured price, not T (``HINTFLOW_INFER_MEASURED_PRICE=0``:
+        T with the backlog floor, as before)."""
         self.book = book
         self.clock = clock or book.clock
         self.defer_s = defer_s
@@ -123,6 +130,9 @@ class HintInference:
                 host_hit_fraction=self.host_hit_fraction, pool_tokens=pool_tokens,
                 queue_delay_floor_s=self.backlog_s,
             )  # fmt: skip
+        elif measured_price and prefill_share is not None:
+            self.rule = ContinuumTTL(self.pauses, self.prefill_reload_s, pool_tokens=pool_tokens,
+                                     prefill_share=prefill_share, unpinned_survival=unpinned_survival)
         else:
             # T at least the wait behind the prefill backlog: a prior from this engine's own measurements
             self.rule = ContinuumTTL(self.pauses, self.prefill_reload_s, pool_tokens=pool_tokens,
