@@ -40,6 +40,8 @@ class PrefillShare:
         self._decode_step_s: float | None = None
         self._prefill_s = 0.0
         self._total_s = 0.0
+        self.total_prefill_s = 0.0  # over the node's life, undecayed (reports)
+        self.total_step_s = 0.0
 
     def observe(self, num_prefill_tokens: int, num_decodes: int, seconds: float) -> None:
         """One model step: ``num_prefill_tokens`` prompt tokens computed and ``num_decodes`` sequences
@@ -56,6 +58,8 @@ class PrefillShare:
             prefill = min(seconds, max(0.0, seconds - (self._decode_step_s or 0.0)))
         self._prefill_s = self.decay * self._prefill_s + prefill
         self._total_s = self.decay * self._total_s + seconds
+        self.total_prefill_s += prefill
+        self.total_step_s += seconds
 
     def fraction(self) -> float:
         return self._prefill_s / self._total_s if self._total_s > 0.0 else 0.0
@@ -72,14 +76,19 @@ class UnpinnedSurvival:
         self._kept = 0.0
         self._had = 0.0
         self.num_observed = 0
+        self.total_kept_tokens = 0  # over the node's life, undecayed (reports)
+        self.total_tokens = 0
 
     def observe(self, history_tokens: int, device_hit_tokens: int) -> None:
         """A returning turn whose context no pin held was admitted: of its ``history_tokens`` (what its
         session had computed), ``device_hit_tokens`` were still on the device."""
         if history_tokens <= 0:
             return
-        self._kept = self.decay * self._kept + min(max(device_hit_tokens, 0), history_tokens)
+        kept = min(max(device_hit_tokens, 0), history_tokens)
+        self._kept = self.decay * self._kept + kept
         self._had = self.decay * self._had + history_tokens
+        self.total_kept_tokens += kept
+        self.total_tokens += history_tokens
         self.num_observed += 1
 
     def fraction(self) -> float:

@@ -82,6 +82,10 @@ class NodeTotals:
     num_step_tokens: int
     step_s: float
     modeled_step_s: float
+    # the measured pin price's readings over the whole run (the node's PrefillShare, UnpinnedSurvival)
+    prefill_s: float = 0.0
+    unpinned_kept_tokens: int = 0
+    unpinned_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -129,9 +133,11 @@ class SimNode:
 
     def totals(self) -> NodeTotals:
         eng = self.engine
+        kept = eng.kv.unpinned_survival
         return NodeTotals(self.address, dataclasses.replace(eng.kv.stats),
                           eng.scheduler.num_preemptions, self.pinned_token_s, self.num_steps,
-                          self.num_step_tokens, self.step_s, self.modeled_step_s)
+                          self.num_step_tokens, self.step_s, self.modeled_step_s,
+                          eng.prefill_share.total_prefill_s, kept.total_kept_tokens, kept.total_tokens)
 
     @property
     def block_size(self) -> int:

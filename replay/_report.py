@@ -102,6 +102,12 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "step_tokens": sum(n.num_step_tokens for n in result.node_totals),
         "step_s": sum(n.step_s for n in result.node_totals),
         "modeled_step_s": sum(n.modeled_step_s for n in result.node_totals),
+        # what the measured pin price reads (over the run, all nodes): the share of step time spent
+        # prefilling, and of returning turns' contexts no pin held, the share still on the device
+        "prefill_share": _ratio(sum(n.prefill_s for n in result.node_totals),
+                                sum(n.step_s for n in result.node_totals)),
+        "unpinned_kept_rate": _ratio(sum(n.unpinned_kept_tokens for n in result.node_totals),
+                                     sum(n.unpinned_tokens for n in result.node_totals)),
         "num_events": result.num_events,
     }
     m.update(result.extra)
@@ -132,7 +138,8 @@ _TIMES = (("JCT mean", "jct_mean_s", "s"), ("p50", "jct_p50_s", "s"), ("p90", "j
 _WORK = (("across-turn hits", "across_turn_hit_rate", "%"), ("within-turn hits", "within_turn_hit_rate", "%"),
          ("recomputed", "recomputed_tokens", "n"), ("tok/s", "throughput_tokens_per_s", "f"),
          ("pinned tok·s", "pinned_token_seconds", "n"), ("preemptions", "preemptions", "f"),
-         ("session moves", "session_moves", "f"), ("migrations", "migrations", "f"))
+         ("session moves", "session_moves", "f"), ("migrations", "migrations", "f"),
+         ("prefill share", "prefill_share", "%"), ("unpinned kept", "unpinned_kept_rate", "%"))
 
 
 def _cell(value: float, kind: str, base: dict[str, float]) -> str:

@@ -259,8 +259,12 @@ def test_report_tables_carry_every_issue_column_and_thunderagent_counts(all_resu
     _, (setup, results) = all_results
     report = report_json(setup, results)
     table = render_table(report)
-    for column in ("JCT mean", "p50", "p99", "TTFT p50", "within-turn hits", "migrations", "preemptions"):
+    for column in ("JCT mean", "p50", "p99", "TTFT p50", "within-turn hits", "migrations", "preemptions",
+                   "prefill share", "unpinned kept"):
         assert column in table
+    for name, pol in report["policies"].items():  # the measured price's readings, over the run
+        assert 0.0 < pol["prefill_share"] < 1.0, name  # every node prefilled and decoded
+        assert 0.0 <= pol["unpinned_kept_rate"] <= 1.0, name
     assert {"thunderagent_pauses", "thunderagent_restores"} <= set(report["policies"]["thunderagent"])
     assert oracle_note(report) == ""  # the oracle evicted nothing
     report["policies"]["oracle"]["evicted_blocks"] = 3
