@@ -46,6 +46,7 @@ from engine_adapter.vllm_backend import (
 from orchestrator import THUNDER_PERIOD_S
 from replay._vllm_agents import HintPusher, ProgramResult, run_program
 from replay._vllm_backend import stock_of
+from replay._vllm_readings import NodeReadings
 from replay._vllm_workload import (
     BLOCK,
     AgentProgram,
@@ -152,6 +153,7 @@ def run_mode(
     proc = start_vllm(argv, env, log, cwd=state)
     base = f"http://127.0.0.1:{port}"
     pusher = None
+    readings = None
     try:
         wait_healthy(proc, base, log)
         warm = AgentProgram("warmup", 0.0, programs[0].all_sessions[0].turns[:1])
@@ -161,6 +163,8 @@ def run_mode(
                                 host_s_per_token=HOST_RELOAD_S_PER_TOKEN if plus else None,
                                 pool_tokens=float(num_blocks * BLOCK),
                                 thunder_period_s=THUNDER_PERIOD_S if base_mode == "thunderagent" else None)
+        if hintflow:  # the node's own readings of its load, while the programs run
+            readings = NodeReadings(f"127.0.0.1:{hint_port}")
         client_mode = "infer" if base_mode == "hintflow-infer" else "plain"
         t0 = time.monotonic() + 0.5
         if pusher is not None:
@@ -172,6 +176,9 @@ def run_mode(
                     f.add_done_callback(lambda _f: progress(1))
             results = [f.result() for f in futs]
         out = summarize(results, time.monotonic() - t0)
+        if readings is not None:
+            out.update(readings.stop())
+            readings = None
         dump = [{"program": r.program_id, "arrival_s": r.arrival_s, "jct_s": r.jct_s, "error": r.error,
                  "turns": [vars(t) for t in r.turns]} for r in results]  # fmt: skip
         (state / f"{mode}.programs.json").write_text(json.dumps(dump))
@@ -180,6 +187,8 @@ def run_mode(
             out["hint_results"] = dict(pusher.codes)
         return out
     finally:
+        if readings is not None:
+            readings.stop()
         if pusher is not None:
             pusher.close()
         stop_vllm(proc)

@@ -9,7 +9,10 @@ nodes' host tier saves as the real connector did (``--host-save``: on eviction, 
 LRU drops). Step 1 fits the replay's cost model to this machine: the ``cpu-vllm-tiny`` profile
 with its re-prefill and decode-step costs chosen on a grid so that the replayed ``vllm-default`` matches
 the measured ``vanilla`` (mean and p90 JCT, TTFT p50), as ``cpu-vllm-tiny`` itself was calibrated on
-another machine (a VM three times faster makes a different operating point, not only a faster one).
+another machine (a VM three times faster makes a different operating point, not only a faster one), and,
+where a hintflow mode's node reported it (``node_prefill_share``), so that the replayed mirror of that mode
+spends the same share of its step time prefilling: several splits of a step between prefill and decode fit
+the stock run's latencies alike, and the pin price (``measured_price``) depends on the split.
 Step 2 replays, with that cost model, one node configured as each real mode's node (``MIRRORS``) and
 prints each mode's ratio to stock vLLM, measured against predicted, and whether the ranking agrees.
 
@@ -122,16 +125,27 @@ def calibrate(
     external hits), so one cost model does not fit both."""
     ref = "vanilla+host" if host else "vanilla"
     target = real["policies"][ref]
+    budget = real["config"].get("pin_budget")
+    # the node's prefill share, where a hintflow mode of this memory point reported it: it tells apart the
+    # splits of a step between prefill and decode that fit the stock run's latencies alike
+    shares = [(m, row["node_prefill_share"]) for m, row in real["policies"].items()
+              if m.endswith("+host") == host and m.removesuffix("+host") in MIRRORS and row.get("node_prefill_share")]
+    share_mode, share = shares[0] if shares else (None, None)
+    specs = [_mirror(ref, host_save, budget)] + ([_mirror(share_mode, host_save, budget)] if share_mode else [])
     best: tuple[float, str, dict[str, float]] | None = None
     for i, (b, d) in enumerate(itertools.product(PREFILL_S_PER_TOKEN, DECODE_STEP_S)):
         path = _profile(b, d, tmp / f"p{int(host)}-{i}.json")
-        rows = _replay(_setup(real, path, host=host), [_mirror(ref, host_save, real["config"].get("pin_budget"))])
-        got = next(iter(rows.values()))
+        rows = list(_replay(_setup(real, path, host=host), specs).values())
+        got = rows[0]
         err = sum(math.log(got[k] / target[k]) ** 2 for k in KEYS)
+        if share is not None and rows[1]["prefill_share"] > 0:
+            err += math.log(rows[1]["prefill_share"] / share) ** 2
         if best is None or err < best[0]:
             best = (err, path, got)
     assert best is not None
-    return best[1], best[2], math.sqrt(best[0] / len(KEYS))
+    if share_mode is not None:
+        print(f"fitting {ref} also to {share_mode}'s prefill share of step time, {share:.2f}")
+    return best[1], best[2], math.sqrt(best[0] / (len(KEYS) + (share is not None)))
 
 
 def main() -> None:
@@ -140,8 +154,16 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", type=Path)
     ap.add_argument("--host-save", choices=sorted(HOST), default="evict",
                     help="how the real run's host connector saved blocks (HINTFLOW_HOST_SAVE) [evict]")
+    ap.add_argument("--node-prefill-share", action="append", default=[], metavar="MODE=SHARE",
+                    help="a hintflow mode's prefill share of step time, as its node logged it (prefill_share=); "
+                         "reports since 2026-12-04 carry it (node_prefill_share)")
     a = ap.parse_args()
     real = json.loads(a.real.read_text())
+    for item in a.node_prefill_share:  # by hand, from the node's 10 s log line (reports before 2026-12-04)
+        mode, _, value = item.partition("=")
+        if mode not in real["policies"] or not value:
+            raise SystemExit(f"--node-prefill-share {item!r}: expected MODE=SHARE with a mode of {a.real}")
+        real["policies"][mode]["node_prefill_share"] = float(value)
     modes = [m for m in real["policies"] if m.removesuffix("+host") in MIRRORS]
     if not any(m in modes for m in ("vanilla", "vanilla+host")):
         raise SystemExit(f"{a.real}: no vanilla or vanilla+host row to calibrate on")

@@ -337,3 +337,32 @@ def test_replay_against_real_vllm(tmp_path: Path, vllm_python: str) -> None:
         assert all(t["cached_tokens"] >= 256 for t in later), run  # at least two blocks of the last prompt
         assert [t["prompt_tokens"] for t in run["turns"]] == sorted(t["prompt_tokens"] for t in run["turns"])
     assert report["policies"]["hintflow-infer+host"]["across_turn_hit_rate"] > 0.5
+
+
+async def test_node_readings_average_a_busy_node_s_cache_state(start_engine: Any) -> None:
+    """The harness samples a hintflow node's measured-price readings over its hint port while it has work
+    (here a real torch node serving the same CacheState as a vLLM node's sidecar)."""
+    import asyncio
+
+    from replay._vllm_readings import NodeReadings
+
+    node = await start_engine("readings")
+    readings = NodeReadings(node.address, period_s=0.02)
+    for i in range(8):  # prompts to prefill and tokens to decode: both kinds of step
+        node.core.submit([(7 * i + t) % 250 + 1 for t in range(300)], 48, session_id=f"s{i}")
+    deadline = time.monotonic() + 60
+    while node.core.has_work() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    got = await asyncio.to_thread(readings.stop)
+    assert not node.core.has_work()
+    assert got["node_readings"] >= 1 and readings.num_failed == 0
+    assert 0.0 < got["node_prefill_share"] < 1.0
+    assert got["node_unpinned_kept"] == 0.0  # no session came back
+
+
+def test_node_readings_of_a_node_that_never_answers_say_nothing() -> None:
+    from replay._vllm_readings import NodeReadings
+
+    readings = NodeReadings("127.0.0.1:1", period_s=0.01)  # nothing listens there
+    time.sleep(0.1)
+    assert readings.stop() == {} and readings.num_failed >= 1
