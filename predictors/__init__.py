@@ -1,5 +1,6 @@
-"""Pure predictors that both sides of hintflow use: the pause model, Continuum's TTL cost model and
-what a host tier gives back.
+"""Pure predictors that both sides of hintflow use: the pause model, Continuum's TTL cost model, what a
+host tier gives back, and the two node readings that price a pin where there is none (prefill share of
+step time, what the device keeps of unpinned contexts).
 
 The orchestrator's policies and the vLLM node's engine-side hint inference
 (``engine_adapter.vllm_backend``) decide pins from the same two objects, so they live here, in a package
