@@ -114,6 +114,8 @@ cache_states = st.builds(
     sessions=st.lists(residencies, max_size=5),
     node_time_s=finite(0.0),
     version=uint64s,
+    prefill_share=st.floats(0.0, 1.0),
+    unpinned_survival=st.floats(0.0, 1.0),
 )
 
 
@@ -154,6 +156,15 @@ def test_ack_round_trip(ack: HintAck) -> None:
 def test_cache_state_round_trip(state: CacheState) -> None:
     wire = engine_pb2.CacheState.FromString(cache_state_to_proto(state).SerializeToString())
     assert cache_state_from_proto(wire) == state
+
+
+@pytest.mark.parametrize("field", ["prefill_share", "unpinned_survival"])
+def test_cache_state_refuses_a_reading_outside_0_1_naming_it(field: str) -> None:
+    """A node's measured-price reading is a share: a message carrying 1.5 is refused, naming the field (the
+    watch that decodes it reconnects; the pin price never reads it)."""
+    pb = engine_pb2.CacheState(node_id="n", model_name="m", block_size=16, **{field: 1.5})
+    with pytest.raises(HintDecodeError, match=field):
+        cache_state_from_proto(pb)
 
 
 def _proto_fields(msg: Any) -> set[str]:

@@ -72,3 +72,16 @@ def test_pins_and_routes_use_each_node_s_own_reload_cost_once_it_reports_one() -
     va, vb = rt.router._view(a, req), rt.router._view(b, req)
     assert va.host_tokens == vb.host_tokens == 1600
     assert va.cost_s - vb.cost_s == pytest.approx((5e-5 - 1e-6) * 1600)
+
+
+def test_pins_on_nodes_without_a_host_tier_are_priced_by_the_nodes_readings() -> None:
+    """The measured price reads each node's CacheState prefill share and unpinned survival (their mean)."""
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    rt = HintRuntime([a, b])
+    rt.note_node_state(a, False, 4000, 0.0, 0, 0.9, 0.2)
+    rt.note_node_state(b, False, 4000, 0.0, 0, 0.7, 0.4)
+    ttl = rt.policy.ttl  # type: ignore[attr-defined]
+    reload_s = ttl.prefill_reload(1000)
+    assert ttl.benefit_s(1000) == pytest.approx(reload_s * (1 - 0.3) * (0.8 / 0.2) * 4.0)
+    rt.note_node_state(a, False, 4000, 0.0, 0, 0.1, 0.0)  # a node that now mostly decodes
+    assert ttl.benefit_s(1000) == pytest.approx(reload_s * (1 - 0.2) * 1.0 * 4.0)
