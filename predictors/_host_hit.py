@@ -12,23 +12,44 @@ figure from this class.
 
 from __future__ import annotations
 
-__all__ = ["HOST_HIT_DECAY", "HostHitShare"]
+__all__ = ["HOST_HIT_DECAY", "HostHitShare", "TokenShare"]
 
 HOST_HIT_DECAY = 0.98
 """Weight of the past per returning turn whose context had left the device: about the last 50 turns."""
 
 
-class HostHitShare:
+class TokenShare:
+    """A token-weighted share with decay: ``got`` of ``needed`` tokens per observation, the past weighed by
+    ``decay`` per observation; ``default`` before any is seen.  Undecayed totals for reports."""
+
+    def __init__(self, decay: float, default: float) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.default = default
+        self._got = 0.0
+        self._needed = 0.0
+        self.num_observed = 0
+        self.total_got_tokens = 0
+        self.total_tokens = 0
+
+    def _add(self, got: int, needed: int) -> None:
+        self._got = self.decay * self._got + got
+        self._needed = self.decay * self._needed + needed
+        self.total_got_tokens += got
+        self.total_tokens += needed
+        self.num_observed += 1
+
+    def fraction(self) -> float:
+        return self._got / self._needed if self._needed > 0 else self.default
+
+
+class HostHitShare(TokenShare):
     """Token-weighted share of evicted contexts that came back from the host tier (1 before any is seen:
     a host tier is taken to work until it is seen not to)."""
 
     def __init__(self, decay: float = HOST_HIT_DECAY) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = decay
-        self._got = 0.0
-        self._needed = 0.0
-        self.num_observed = 0
+        super().__init__(decay, default=1.0)
 
     def observe(self, history_tokens: int, device_hit_tokens: int, host_hit_tokens: int) -> None:
         """A returning turn was admitted: of its ``history_tokens`` (what its session computed before), the
@@ -36,9 +57,4 @@ class HostHitShare:
         missing = history_tokens - min(max(device_hit_tokens, 0), history_tokens)
         if missing <= 0:
             return  # all on the device: says nothing about the host
-        self._got = self.decay * self._got + min(max(host_hit_tokens, 0), missing)
-        self._needed = self.decay * self._needed + missing
-        self.num_observed += 1
-
-    def fraction(self) -> float:
-        return self._got / self._needed if self._needed > 0 else 1.0
+        self._add(min(max(host_hit_tokens, 0), missing), missing)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+from predictors._host_hit import HOST_HIT_DECAY, TokenShare
+
 __all__ = ["PREFILL_SHARE_DECAY", "PrefillShare", "UnpinnedSurvival"]
 
 PREFILL_SHARE_DECAY = 0.995
@@ -65,31 +67,15 @@ class PrefillShare:
         return self._prefill_s / self._total_s if self._total_s > 0.0 else 0.0
 
 
-class UnpinnedSurvival:
+class UnpinnedSurvival(TokenShare):
     """Token-weighted share of a returning turn's context found on the device when no pin held it, with
     decay (0 before any is seen: an unpinned context is taken as lost until one is seen to survive)."""
 
-    def __init__(self, decay: float = 0.98) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = decay
-        self._kept = 0.0
-        self._had = 0.0
-        self.num_observed = 0
-        self.total_kept_tokens = 0  # over the node's life, undecayed (reports)
-        self.total_tokens = 0
+    def __init__(self, decay: float = HOST_HIT_DECAY) -> None:
+        super().__init__(decay, default=0.0)
 
     def observe(self, history_tokens: int, device_hit_tokens: int) -> None:
         """A returning turn whose context no pin held was admitted: of its ``history_tokens`` (what its
         session had computed), ``device_hit_tokens`` were still on the device."""
-        if history_tokens <= 0:
-            return
-        kept = min(max(device_hit_tokens, 0), history_tokens)
-        self._kept = self.decay * self._kept + kept
-        self._had = self.decay * self._had + history_tokens
-        self.total_kept_tokens += kept
-        self.total_tokens += history_tokens
-        self.num_observed += 1
-
-    def fraction(self) -> float:
-        return self._kept / self._had if self._had > 0.0 else 0.0
+        if history_tokens > 0:
+            self._add(min(max(device_hit_tokens, 0), history_tokens), history_tokens)

@@ -137,7 +137,7 @@ class SimNode:
         return NodeTotals(self.address, dataclasses.replace(eng.kv.stats),
                           eng.scheduler.num_preemptions, self.pinned_token_s, self.num_steps,
                           self.num_step_tokens, self.step_s, self.modeled_step_s,
-                          eng.prefill_share.total_prefill_s, kept.total_kept_tokens, kept.total_tokens)
+                          eng.prefill_share.total_prefill_s, kept.total_got_tokens, kept.total_tokens)
 
     @property
     def block_size(self) -> int:

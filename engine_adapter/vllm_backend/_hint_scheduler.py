@@ -71,7 +71,7 @@ from ._async_mode import StepsInFlight, log_async_mode
 from ._compat import check_vllm_internals
 from ._context_moves import KvLayout, kv_layout
 from ._host_index import HOST_RELOAD_S_PER_TOKEN
-from ._infer import HintInference, infer_enabled
+from ._infer import HintInference, env_on, infer_enabled
 from ._sessions import SessionBook, VSession
 
 if TYPE_CHECKING:
@@ -201,11 +201,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
                 host_reload_s_per_token=self.host_reload_s_per_token or None,  # None: no host tier
                 pool_tokens=(lambda: float(self.book.num_blocks * self.block_size))
-                if env("HINTFLOW_INFER_MEMORY_SHARE", "1").strip().lower() not in {"0", "false", "no", "off"}
-                else None,
+                if env_on("HINTFLOW_INFER_MEMORY_SHARE", "1") else None,
                 host_hits=self.host_hits,
                 prefill_share=self.prefill_share.fraction, unpinned_survival=self.unpinned_survival.fraction,
-                measured_price=env("HINTFLOW_INFER_MEASURED_PRICE", "1").strip().lower() not in {"0", "false", "no", "off"},
+                measured_price=env_on("HINTFLOW_INFER_MEASURED_PRICE", "1"),
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self._next_log_s = 0.0
@@ -214,14 +213,14 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.aging_s = float(os.environ.get("HINTFLOW_PRIORITY_AGING_S", str(AGING_S)))
         env_ = os.environ.get
         guard_default = "0" if self.host_tier is not None else "1"
-        self.admit_guard = env_("HINTFLOW_ADMIT_GUARD", guard_default).strip().lower() not in {"0", "false", "no", "off"}
+        self.admit_guard = env_on("HINTFLOW_ADMIT_GUARD", guard_default)
         self.admit_fraction = float(env_("HINTFLOW_ADMIT_FRACTION", "1.0"))
         default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
         self.admit_max_wait_s = float(env_("HINTFLOW_ADMIT_MAX_WAIT_S", str(default_wait)))
         self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
-        self.yield_pins = env_("HINTFLOW_YIELD_PINS", "1").strip().lower() not in {"0", "false", "no", "off"}
+        self.yield_pins = env_on("HINTFLOW_YIELD_PINS", "1")
         self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
-        self.pinned_first = env_("HINTFLOW_PINNED_FIRST", "1").strip().lower() not in {"0", "false", "no", "off"}
+        self.pinned_first = env_on("HINTFLOW_PINNED_FIRST", "1")
         self.pin_grace_s = float(env_("HINTFLOW_PIN_GRACE_S", "0.5"))
         self.pin_grace_window_s = float(env_("HINTFLOW_INFER_DEFER_S", "60"))  # "recently pinned": as inference's
         self.grace_holds = 0

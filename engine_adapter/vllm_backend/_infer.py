@@ -41,7 +41,7 @@ from predictors import ContinuumTTL, HostHitShare, HostTierTTL, PauseModel
 
 from ._sessions import SessionBook, VSession
 
-__all__ = ["SILENT_FACTOR", "SILENT_MIN_S", "HintInference", "infer_enabled"]
+__all__ = ["SILENT_FACTOR", "SILENT_MIN_S", "HintInference", "env_on", "infer_enabled"]
 
 SILENT_FACTOR = 4.0
 """A program silent for this many times its last lease is taken as gone (its context is released)."""
@@ -50,9 +50,14 @@ SILENT_MIN_S = 30.0
 UNKNOWN_TOOL = "unknown"
 
 
+def env_on(name: str, default: str) -> bool:
+    """A node switch from the environment: on unless it reads 0, false, no or off (``default`` when unset)."""
+    return os.environ.get(name, default).strip().lower() not in {"0", "false", "no", "off"}
+
+
 def infer_enabled() -> bool:
     """``HINTFLOW_INFER_HINTS`` (default on): 0/false/no/off disables the inference."""
-    return os.environ.get("HINTFLOW_INFER_HINTS", "1").strip().lower() not in {"0", "false", "no", "off"}
+    return env_on("HINTFLOW_INFER_HINTS", "1")
 
 
 @dataclass
