@@ -56,6 +56,7 @@ class HintFlowPolicy(ContinuumPolicy):
                 self.pause_model, lambda n: min(float(prefill(n)), float(host(n))), pool_tokens=self.pool_tokens,
                 miss_reload=prefill if self.host_hit_fraction is not None else None,
                 host_hit_fraction=self.host_hit_fraction, queue_delay_floor_s=floor,
+                count_queue_delay=self.queue_delay,  # (T weighs only the share the tier does not give back)
             )
         self.ttl.learn_from(old)
 

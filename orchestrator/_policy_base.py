@@ -101,9 +101,10 @@ class _BasePolicy:
         # (``set_queue_delay_floor``; the vLLM node's own inference has the same floor).  Only
         # ``HintFlowPolicy`` uses it, and only with ``backlog_floor``; the baselines price T as their papers do.
         self.backlog_floor = backlog_floor
-        # Whether a pin on a node without a host tier is worth Continuum's queueing term T as well as the
-        # re-prefill (``HintFlowPolicy`` only, on by default; off wins on overloaded nodes: docs/tuning.md;
-        # the baselines price T as their papers do; with a host tier T is left out already: ``HostTierTTL``).
+        # Whether a pin is worth Continuum's queueing term T as well as the re-prefill, for the share of a
+        # context the node loses (with a host tier, ``HostTierTTL``: what the tier does not give back)
+        # (``HintFlowPolicy`` only, on by default; off wins on overloaded nodes: docs/tuning.md; the
+        # baselines price T as their papers do).
         self.queue_delay = queue_delay
         self.queue_delay_floor: Callable[[], float] | None = None
         # With no host tier, price a pin by what the nodes measure (``ContinuumTTL``'s measured price: the

@@ -45,8 +45,9 @@ POLICY_OPTIONS: dict[str, Option] = {
                                    "policy's; the live runtime uses 5 ticks)", minimum=0.0, nullable=True),
     "backlog_floor": Option(bool, "price a pin with Continuum's T at least the wait behind the nodes' prefill "
                                   "backlog, as the vLLM node's own inference does (hintflow only; default true)"),
-    "queue_delay": Option(bool, "with no host tier, price a pin with Continuum's queueing term T as well as "
-                                "the re-prefill (hintflow only; default true; false: the re-prefill alone, "
+    "queue_delay": Option(bool, "price a pin with Continuum's queueing term T as well as the re-prefill, for "
+                                "the share of a context the nodes lose (with a host tier: what it does not "
+                                "give back) (hintflow only; default true; false: the re-prefill alone, "
                                 "which wins where memory is what every turn queues for)"),
     "measured_price": Option(bool, "with no host tier, price a pin by what the nodes measure (the prefill share "
                                    "of their step time, what they keep of unpinned contexts, the pool share it "

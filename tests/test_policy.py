@@ -280,6 +280,22 @@ def test_hintflow_with_a_host_tier_leaves_queueing_out_of_a_pins_price() -> None
     assert pin_ttl("hintflow", host_reload=lambda n: 0.5) == 0.0
 
 
+def test_hintflow_queue_delay_option_reaches_the_host_tiers_lost_share() -> None:
+    """A host tier that gives nothing back (h = 0) prices a pin as a lost context: the 10 s re-prefill and T
+    (20 s observed: ln 30 s); ``queue_delay=False`` leaves T out there too (ln 10 s)."""
+    ev = ToolStarted("p", "s", "bash", 0.0, 1000)
+
+    def pin_ttl(**kw: object) -> float:
+        policy = get_policy("hintflow", prefill_reload=lambda n: 10.0, host_reload=lambda n: 0.5,
+                            host_hit_fraction=lambda: 0.0, measured_price=False, **kw)  # type: ignore[arg-type]
+        for _ in range(5):
+            policy.ttl.observe_evicted_queue_delay(20.0)  # type: ignore[attr-defined]
+        return max((h.ttl_s for h in policy.on_event(ev) if isinstance(h, Pin)), default=0.0)
+
+    assert pin_ttl() == pytest.approx(math.log(30.0), rel=1e-2)
+    assert pin_ttl(queue_delay=False) == pytest.approx(math.log(10.0), rel=1e-2)
+
+
 def test_hintflow_pins_at_turn_end_once_the_graph_knows_a_tool_follows() -> None:
     policy = get_policy("hintflow", prefill_reload=lambda n: 10.0)
     trace = run(policy, three_turn_program())

@@ -111,7 +111,8 @@ class HintInference:
         measuring it; ``silent_min_s`` is the least silence after which a program is released;
         ``backlog_tokens()`` (prompt tokens the engine still has to compute) gives T its floor.
         ``host_reload_s_per_token``: the node has a host tier, and a context not pinned is copied back at
-        this cost per token (pins are priced by it alone and without T, ``HostTierTTL``).
+        this cost per token (``HostTierTTL``: pins are priced by it for the share of evicted contexts the
+        tier gives back, as lost contexts, re-prefill and T, for the rest).
         ``pool_tokens()``: the device pool in tokens; pins are then priced by the share of it they hold
         (``ContinuumTTL``'s memory share, as the orchestrator's ``hintflow`` policy prices them).
         ``host_hits``: the node's measure of what its host tier gives back (the scheduler's, which it also
