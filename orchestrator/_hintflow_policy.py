@@ -40,8 +40,9 @@ class HintFlowPolicy(ContinuumPolicy):
         """With a host tier an evicted context comes back by copy, not by re-prefill: a pin saves only the
         cheaper of the two, so it is priced by that (Continuum prices re-prefill alone), and without
         Continuum's queueing term (HostTierTTL), for the share of evicted contexts the tier does give
-        back (``host_hit_fraction``, the node's measure); the rest is priced as a re-prefill, as the vLLM
-        node's own inference prices it. The estimates learned so far carry over."""
+        back (``host_hit_fraction``, the node's measure); the rest is priced as a lost context, as the vLLM
+        node's own inference prices it: with ``measured_price`` by the measured price, else by re-prefill
+        and T. The estimates learned so far carry over."""
         old = self.ttl
         floor = self.queue_delay_floor  # T at least the wait behind the nodes' prefill backlog, as on the node
         if self.host_reload is None and self.prefill_share is not None:  # the measured price (ContinuumTTL)
@@ -57,6 +58,7 @@ class HintFlowPolicy(ContinuumPolicy):
                 miss_reload=prefill if self.host_hit_fraction is not None else None,
                 host_hit_fraction=self.host_hit_fraction, queue_delay_floor_s=floor,
                 count_queue_delay=self.queue_delay,  # (T weighs only the share the tier does not give back)
+                prefill_share=self.prefill_share, unpinned_survival=self.unpinned_survival,  # (measured_price)
             )
         self.ttl.learn_from(old)
 

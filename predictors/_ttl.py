@@ -239,6 +239,11 @@ class HostTierTTL(ContinuumTTL):
     did come back from the host, as the node measures it) and ``miss_reload`` (the re-prefill), a lost
     context is priced as what happens to it: ``h * reload + (1 - h) * (T * eta + miss_reload)``, so a host
     that keeps nothing prices pins as no host would.  Without them, ``h = 1``: every context comes back.
+    With ``prefill_share`` (the measured price, :meth:`ContinuumTTL.benefit_s`) the lost share is priced
+    as a node without a tier prices it, ``miss_reload * (1 - s) * max(1, p / (1 - p))``, T left out: on
+    the replay's short host tier (half the device pool, eight seeds) multi-agent's mean / p90 JCT fell
+    52.00 / 73.82 -> 47.80 / 67.01 s, swe-agent's rose 20.08 / 31.03 -> 20.65 / 32.38 s, the trade the
+    measured price makes without a tier (docs/benchmarks.md).
     """
 
     def __init__(
@@ -270,5 +275,10 @@ class HostTierTTL(ContinuumTTL):
                 h = 1.0
         b = h * float(self.prefill_reload(context_tokens))
         if h < 1.0 and self.miss_reload is not None:
-            b += (1.0 - h) * (self.miss_queue_delay_s() * self.eta + float(self.miss_reload(context_tokens)))
+            measured = self.measured_weights()
+            if measured is not None:  # the measured price of a lost context (no T)
+                lost, weight = measured
+                b += (1.0 - h) * float(self.miss_reload(context_tokens)) * lost * weight
+            else:
+                b += (1.0 - h) * (self.miss_queue_delay_s() * self.eta + float(self.miss_reload(context_tokens)))
         return b * self.memory_scale(context_tokens)

@@ -296,6 +296,24 @@ def test_hintflow_queue_delay_option_reaches_the_host_tiers_lost_share() -> None
     assert pin_ttl(queue_delay=False) == pytest.approx(math.log(10.0), rel=1e-2)
 
 
+def test_hintflow_measured_price_prices_the_host_tiers_lost_share_too() -> None:
+    """A host tier that gives nothing back and T = 20 s: T-priced, a pin is worth re-prefill and T (ln 30 s);
+    with the nodes' readings (p = 0.8, s = 0.5) the lost context is priced as without a tier, 10 s * 0.5 *
+    4 = 20 s (ln 20 s); ``measured_price=False`` keeps T whatever the nodes read."""
+    ev = ToolStarted("p", "s", "bash", 0.0, 1000)
+
+    def pin_ttl(**kw: object) -> float:
+        policy = get_policy("hintflow", prefill_reload=lambda n: 10.0, host_reload=lambda n: 0.5,
+                            host_hit_fraction=lambda: 0.0, **kw)  # type: ignore[arg-type]
+        policy.set_node_signals(lambda: 0.8, lambda: 0.5)
+        for _ in range(5):
+            policy.ttl.observe_evicted_queue_delay(20.0)  # type: ignore[attr-defined]
+        return max((h.ttl_s for h in policy.on_event(ev) if isinstance(h, Pin)), default=0.0)
+
+    assert pin_ttl() == pytest.approx(math.log(20.0), rel=1e-2)
+    assert pin_ttl(measured_price=False) == pytest.approx(math.log(30.0), rel=1e-2)
+
+
 def test_hintflow_pins_at_turn_end_once_the_graph_knows_a_tool_follows() -> None:
     policy = get_policy("hintflow", prefill_reload=lambda n: 10.0)
     trace = run(policy, three_turn_program())

@@ -112,7 +112,9 @@ class HintInference:
         ``backlog_tokens()`` (prompt tokens the engine still has to compute) gives T its floor.
         ``host_reload_s_per_token``: the node has a host tier, and a context not pinned is copied back at
         this cost per token (``HostTierTTL``: pins are priced by it for the share of evicted contexts the
-        tier gives back, as lost contexts, re-prefill and T, for the rest).
+        tier gives back, as lost contexts, re-prefill and T, for the rest: the measured price is for nodes
+        without a tier here, since with the short host tier three paired real rounds put it level with T,
+        0.84-0.93x against 0.75-0.99x stock's mean JCT; docs/benchmarks.md).
         ``pool_tokens()``: the device pool in tokens; pins are then priced by the share of it they hold
         (``ContinuumTTL``'s memory share, as the orchestrator's ``hintflow`` policy prices them).
         ``host_hits``: the node's measure of what its host tier gives back (the scheduler's, which it also
