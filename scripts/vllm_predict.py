@@ -92,7 +92,9 @@ def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None
         spec += ",policy.measured_price=false"
     if "=" in spec:
         return spec.replace(f"node.{base}=", f"node.{mode}=", 1) + f",{HOST[host_save]}"
-    return f"node.{mode}={spec}:{HOST[host_save]}"
+    # Stock vLLM keeps a finished request's blocks in its prefix cache until they are reused, and the
+    # connector saves what that reuse evicts: in the replay, a retained context evicted in LRU order.
+    return f"node.{mode}={spec}:{HOST[host_save]},retain_contexts=true"
 
 
 def _reference(mode: str) -> str:
