@@ -182,13 +182,17 @@ class ContinuumTTL:
         prefill is most of the work (``p / (1 - p)`` above 1) the re-prefill weighs that much more, where
         decode is, the price is the memory-share price (never less: a pin that returns still saves its
         re-prefill)."""
+        b = self._lost_context_s(float(self.prefill_reload(context_tokens)), self.queue_delay_s)
+        return b * self.memory_scale(context_tokens)
+
+    def _lost_context_s(self, reload_s: float, queue_delay_s: float) -> float:
+        """What a pin saves where the context would otherwise be lost: with the node's readings the measured
+        price, ``reload_s * (1 - s) * max(1, p / (1 - p))``; else Continuum's ``T * eta + reload_s``."""
         measured = self.measured_weights()
         if measured is not None:
             lost, weight = measured
-            b = float(self.prefill_reload(context_tokens)) * lost * weight
-            return b * self.memory_scale(context_tokens)
-        b = self.queue_delay_s * self.eta + float(self.prefill_reload(context_tokens))
-        return b * self.memory_scale(context_tokens)
+            return reload_s * lost * weight
+        return queue_delay_s * self.eta + reload_s
 
     def measured_weights(self) -> tuple[float, float] | None:
         """The measured price's two factors from the node's readings, ``(1 - s, max(1, p / (1 - p)))``
@@ -275,10 +279,5 @@ class HostTierTTL(ContinuumTTL):
                 h = 1.0
         b = h * float(self.prefill_reload(context_tokens))
         if h < 1.0 and self.miss_reload is not None:
-            measured = self.measured_weights()
-            if measured is not None:  # the measured price of a lost context (no T)
-                lost, weight = measured
-                b += (1.0 - h) * float(self.miss_reload(context_tokens)) * lost * weight
-            else:
-                b += (1.0 - h) * (self.miss_queue_delay_s() * self.eta + float(self.miss_reload(context_tokens)))
+            b += (1.0 - h) * self._lost_context_s(float(self.miss_reload(context_tokens)), self.miss_queue_delay_s())
         return b * self.memory_scale(context_tokens)

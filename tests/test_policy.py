@@ -280,38 +280,33 @@ def test_hintflow_with_a_host_tier_leaves_queueing_out_of_a_pins_price() -> None
     assert pin_ttl("hintflow", host_reload=lambda n: 0.5) == 0.0
 
 
+def _lost_share_pin_ttl(readings: tuple[float, float] | None = None, **kw: object) -> float:
+    """The pin hintflow sends at a tool start on nodes whose host tier gives nothing back (h = 0), with a
+    10 s re-prefill, a 0.5 s copy back, T = 20 s observed and, if given, the nodes' readings (p, s)."""
+    policy = get_policy("hintflow", prefill_reload=lambda n: 10.0, host_reload=lambda n: 0.5,
+                        host_hit_fraction=lambda: 0.0, **kw)  # type: ignore[arg-type]
+    if readings is not None:
+        p, s = readings
+        policy.set_node_signals(lambda: p, lambda: s)
+    for _ in range(5):
+        policy.ttl.observe_evicted_queue_delay(20.0)  # type: ignore[attr-defined]
+    hints = policy.on_event(ToolStarted("p", "s", "bash", 0.0, 1000))
+    return max((h.ttl_s for h in hints if isinstance(h, Pin)), default=0.0)
+
+
 def test_hintflow_queue_delay_option_reaches_the_host_tiers_lost_share() -> None:
     """A host tier that gives nothing back (h = 0) prices a pin as a lost context: the 10 s re-prefill and T
     (20 s observed: ln 30 s); ``queue_delay=False`` leaves T out there too (ln 10 s)."""
-    ev = ToolStarted("p", "s", "bash", 0.0, 1000)
-
-    def pin_ttl(**kw: object) -> float:
-        policy = get_policy("hintflow", prefill_reload=lambda n: 10.0, host_reload=lambda n: 0.5,
-                            host_hit_fraction=lambda: 0.0, measured_price=False, **kw)  # type: ignore[arg-type]
-        for _ in range(5):
-            policy.ttl.observe_evicted_queue_delay(20.0)  # type: ignore[attr-defined]
-        return max((h.ttl_s for h in policy.on_event(ev) if isinstance(h, Pin)), default=0.0)
-
-    assert pin_ttl() == pytest.approx(math.log(30.0), rel=1e-2)
-    assert pin_ttl(queue_delay=False) == pytest.approx(math.log(10.0), rel=1e-2)
+    assert _lost_share_pin_ttl(measured_price=False) == pytest.approx(math.log(30.0), rel=1e-2)
+    assert _lost_share_pin_ttl(measured_price=False, queue_delay=False) == pytest.approx(math.log(10.0), rel=1e-2)
 
 
 def test_hintflow_measured_price_prices_the_host_tiers_lost_share_too() -> None:
     """A host tier that gives nothing back and T = 20 s: T-priced, a pin is worth re-prefill and T (ln 30 s);
     with the nodes' readings (p = 0.8, s = 0.5) the lost context is priced as without a tier, 10 s * 0.5 *
     4 = 20 s (ln 20 s); ``measured_price=False`` keeps T whatever the nodes read."""
-    ev = ToolStarted("p", "s", "bash", 0.0, 1000)
-
-    def pin_ttl(**kw: object) -> float:
-        policy = get_policy("hintflow", prefill_reload=lambda n: 10.0, host_reload=lambda n: 0.5,
-                            host_hit_fraction=lambda: 0.0, **kw)  # type: ignore[arg-type]
-        policy.set_node_signals(lambda: 0.8, lambda: 0.5)
-        for _ in range(5):
-            policy.ttl.observe_evicted_queue_delay(20.0)  # type: ignore[attr-defined]
-        return max((h.ttl_s for h in policy.on_event(ev) if isinstance(h, Pin)), default=0.0)
-
-    assert pin_ttl() == pytest.approx(math.log(20.0), rel=1e-2)
-    assert pin_ttl(measured_price=False) == pytest.approx(math.log(30.0), rel=1e-2)
+    assert _lost_share_pin_ttl((0.8, 0.5)) == pytest.approx(math.log(20.0), rel=1e-2)
+    assert _lost_share_pin_ttl((0.8, 0.5), measured_price=False) == pytest.approx(math.log(30.0), rel=1e-2)
 
 
 def test_hintflow_pins_at_turn_end_once_the_graph_knows_a_tool_follows() -> None:
