@@ -70,7 +70,10 @@ def writable_parent(ctx: click.Context, param: click.Parameter, value: str | Non
                    "eviction_policy, host_tier, cold_prefill_cap, ...), policy.KEY (rel_change, "
                    "min_change_s, renew_ahead_s, pause.min_samples, pause.default_mean_s, pause.capacity) and "
                    "scheduler.KEY (SchedulerConfig: max_num_seqs, cold_prefill_budget_tokens, "
-                   "program_fcfs_aging_s, ...), e.g. 'eager=hintflow:policy.rel_change=0.02'")
+                   "program_fcfs_aging_s, ...), e.g. 'eager=hintflow:policy.rel_change=0.02'; with --backend "
+                   "vllm: BASE a mode, keys policy.KEY (modes that push hints) and env.HINTFLOW_* (the node's "
+                   "settings), a +host mode's variant named NAME+host, e.g. "
+                   "'T+host=hintflow-orchestrator+host:policy.measured_price=false'")
 @click.option("--nodes", "num_nodes", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--executor", type=click.Choice(["modeled", "torch"]), default="modeled", show_default=True,
               help="modeled: steps priced by the cost model; torch: the tiny torch model computes every step "

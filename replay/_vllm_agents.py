@@ -23,9 +23,12 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replay._vllm_workload import BLOCK, AgentProgram, AgentSession
+
+if TYPE_CHECKING:
+    from orchestrator import PolicySpec
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class HintPusher:
     live), ``ProgramEnded``; ``session_finished`` and ``turn_done`` say what else the core learns from.
     """
 
-    def __init__(self, target: str, policy_name: str = "hintflow", tick_s: float = 0.05,
+    def __init__(self, target: str, policy_name: str | PolicySpec = "hintflow", tick_s: float = 0.05,
                  s_per_token: float = 1.25e-4, host_s_per_token: float | None = None,
                  pool_tokens: float | None = None, thunder_period_s: float | None = None) -> None:
         """``s_per_token``: the node's re-prefill cost (the client cannot see queue waits, so this prior is

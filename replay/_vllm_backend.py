@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,12 @@ from click.core import ParameterSource
 
 __all__ = [
     "VLLM_WORKLOAD_DEFAULTS",
+    "VllmVariant",
     "check_backend_options",
     "median_rounds",
     "paired_ratios",
     "parse_modes",
+    "parse_vllm_variant",
     "run_vllm_replay",
     "stock_of",
     "vllm_replay",
@@ -55,7 +59,7 @@ all programs, the trace's arrivals, scale 1)."""
 
 MODELED_ONLY = {"cost_model": "--cost-model", "host_memory": "--host-memory",
                 "block_size": "--block-size", "ttft_deadline_s": "--ttft-deadline", "plots_dir": "--plots",
-                "variants": "--variant", "csv_out": "--csv"}
+                "csv_out": "--csv"}
 VLLM_ONLY = {"vllm_python": "--vllm-python", "vllm_model": "--model", "state_dir": "--state-dir",
              "rounds": "--rounds"}
 PAIRED = ("jct_mean_s", "jct_p90_s", "ttft_p50_s", "ttft_p99_s")
@@ -84,24 +88,106 @@ def check_backend_options(ctx: click.Context, backend: str) -> None:
             raise click.UsageError(f"{', '.join(wrong)} {verb} only with --backend vllm")
 
 
-def parse_modes(spec: str) -> list[str]:
-    """``--policy`` for the vLLM backend: comma-separated benchmark modes (each optionally ``+host``), or
-    ``all`` (every mode without the host tier)."""
+def parse_modes(spec: str, variants: Sequence[VllmVariant] = ()) -> list[str]:
+    """``--policy`` for the vLLM backend: comma-separated benchmark modes (each optionally ``+host``) and
+    ``--variant`` names, or ``all`` (every mode without the host tier)."""
     from replay._vllm_bench import MODES
 
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if names == ["all"]:
         return list(MODES)
-    unknown = [n for n in names if n.removesuffix("+host") not in MODES]
+    known = {v.name for v in variants}
+    unknown = [n for n in names if n.removesuffix("+host") not in MODES and n not in known]
     if unknown or not names:
         from replay._policies import REPLAY_CONFIGS
 
         modeled = [n for n in unknown if n in REPLAY_CONFIGS]
         note = f"; {', '.join(modeled)}: --backend modeled" if modeled else ""
         word = "policies" if len(unknown) > 1 else "policy"
+        also = f", or a --variant ({', '.join(sorted(known))})" if known else ""
         raise ValueError(f"unknown {word} {', '.join(map(repr, unknown)) or repr(spec)} for --backend vllm; known: "
-                         f"{', '.join(MODES)}, each optionally with +host (or all){note}")
+                         f"{', '.join(MODES)}, each optionally with +host (or all){also}{note}")
     return list(dict.fromkeys(names))
+
+
+@dataclass(frozen=True, slots=True)
+class VllmVariant:
+    """``--variant NAME=MODE:KEY=VALUE,...`` with ``--backend vllm``: MODE's server and client with the pushed
+    policy's options (``policy.KEY``, as a worker's ``--policy 'hintflow:KEY=VALUE'``) or the node's
+    settings (``env.HINTFLOW_*``) changed, run and reported as NAME beside the others in the same sitting,
+    so two settings of one mode are compared round by round rather than across sittings."""
+
+    name: str
+    mode: str
+    policy_options: tuple[tuple[str, Any], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+_VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,39}")
+
+
+def parse_vllm_variant(text: str, earlier: Sequence[VllmVariant] = ()) -> VllmVariant:
+    """One ``--variant`` for the vLLM backend; ``ValueError`` naming what is wrong.  A variant of a ``+host``
+    mode must be named ``...+host`` (so it is compared with ``vanilla+host``, as its mode is), and the
+    other way round; ``policy.*`` keys need a mode whose policy pushes hints; ``env.*`` keys a hintflow
+    node (stock vLLM reads none)."""
+    from engine_adapter.vllm_backend import NODE_SETTINGS
+    from orchestrator import POLICY_OPTIONS, parse_value
+    from replay._vllm_bench import MODES, PUSHED_POLICY
+
+    where = f"--variant {text!r}"
+    name, sep, rest = text.partition("=")
+    name = name.strip()
+    if not sep or not _VARIANT_NAME.fullmatch(name):
+        raise ValueError(f"{where}: expected NAME=MODE:KEY=VALUE,... with NAME of letters, digits, '_.+-' (at most 40)")
+    prior = {v.name: v for v in earlier}
+    if name.removesuffix("+host") in MODES or name in prior:
+        raise ValueError(f"{where}: the name {name!r} is already taken")
+    base_name, _, opts = rest.partition(":")
+    base_name = base_name.strip()
+    if base_name in prior:
+        base = prior[base_name]
+    elif base_name.removesuffix("+host") in MODES:
+        base = VllmVariant(base_name, base_name)
+    else:
+        raise ValueError(f"{where}: unknown mode {base_name!r}; known: {', '.join(MODES)}, each optionally "
+                         "with +host, or an earlier --variant")
+    if name.endswith("+host") != base.mode.endswith("+host"):
+        want = "ends" if base.mode.endswith("+host") else "does not end"
+        raise ValueError(f"{where}: a variant of {base.mode!r} is compared with the same stock run, so its "
+                         f"name {want} with '+host'")
+    plain = base.mode.removesuffix("+host")
+    policy, env = dict(base.policy_options), dict(base.env)
+    for item in (p for p in opts.split(",") if p.strip()):
+        key, eq, raw = (x.strip() for x in item.partition("="))
+        if not eq:
+            raise ValueError(f"{where}: {item.strip()!r} is not KEY=VALUE")
+        if key.startswith("policy."):
+            option = POLICY_OPTIONS.get(key.removeprefix("policy."))
+            if option is None:
+                raise ValueError(f"{where}: unknown option {key!r}; known: "
+                                 f"{', '.join('policy.' + k for k in POLICY_OPTIONS)}, env.HINTFLOW_*")
+            if plain not in PUSHED_POLICY:
+                raise ValueError(f"{where}: {key} needs a mode whose policy pushes hints "
+                                 f"({', '.join(PUSHED_POLICY)}); {plain!r} pushes none")
+            try:
+                policy[key.removeprefix("policy.")] = parse_value(key, raw, option)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+        elif key.startswith("env."):
+            var = key.removeprefix("env.")
+            if var not in NODE_SETTINGS:
+                raise ValueError(f"{where}: unknown node setting {key!r}; known: "
+                                 f"{', '.join('env.' + k for k in NODE_SETTINGS)}")
+            if plain == "vanilla":
+                raise ValueError(f"{where}: {key}: stock vLLM reads no HINTFLOW_* setting")
+            env[var] = raw
+        else:
+            raise ValueError(f"{where}: unknown option {key!r}; known: policy.KEY "
+                             f"({', '.join(POLICY_OPTIONS)}), env.HINTFLOW_*")
+    if policy == dict(base.policy_options) and env == dict(base.env):
+        raise ValueError(f"{where}: no options given (KEY=VALUE after {base_name}:)")
+    return VllmVariant(name, base.mode, tuple(policy.items()), tuple(env.items()))
 
 
 def _model_max_len(model: Path) -> int | None:
@@ -118,7 +204,7 @@ def run_vllm_replay(
     scale: float | None = None, seed: int = 0, kv_capacity_tokens: int | None = None,
     vllm_python: str | None = None, model: str | Path | None = None, state_dir: str | Path | None = None,
     pin_budget: float | None = None, host_capacity_tokens: int | None = None, progress: Callable[[str, int], Callable[[int], None]] | None = None,
-    log: Callable[[str], None] = lambda _m: None, rounds: int = 1,
+    log: Callable[[str], None] = lambda _m: None, rounds: int = 1, variants: Sequence[VllmVariant] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """Load the workload, convert it, run each mode on its own server; the report (``policies``: one
     summary per mode, ``programs``: per program and turn, ``verdict`` against vanilla, ``config``).
@@ -127,6 +213,7 @@ def run_vllm_replay(
     machine that drifts over the sitting weighs on every mode alike); ``policies`` then holds each figure's
     median over the rounds, ``rounds`` each round's summaries, ``ratios`` each mode's per-round ratios to
     that round's ``vanilla`` (:func:`paired_ratios`), and ``programs`` the first round's turns.
+    ``variants``: those named in ``modes`` run as their mode with their policy options and node settings.
 
     ``ValueError`` for a workload or sizes that cannot run, ``RuntimeError`` / ``TimeoutError`` when a
     server does not come up (with its log's tail).
@@ -192,6 +279,10 @@ def run_vllm_replay(
         "host_capacity_tokens": host_tokens if any(m.endswith("+host") for m in modes) else None, "model": str(model_dir), "vllm_python": python,
         "state_dir": str(state), "policies": modes, "rounds": rounds,
     }  # fmt: skip
+    by_name = {v.name: v for v in variants if v.name in modes}
+    if by_name:
+        report["config"]["variants"] = {v.name: {"mode": v.mode, "policy_options": dict(v.policy_options),
+                                                 "env": dict(v.env)} for v in by_name.values()}  # fmt: skip
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     t0 = time.perf_counter()
@@ -201,13 +292,15 @@ def run_vllm_replay(
         for mode in modes if r % 2 == 0 else modes[::-1]:
             which = f" (round {r + 1} of {rounds})" if rounds > 1 else ""
             log(f"{mode}{which}: starting a vLLM server ({blocks} blocks of {BLOCK} tokens), {len(agents)} programs")
+            v = by_name.get(mode, VllmVariant(mode, mode))
             for attempt in range(1 + PORT_RETRIES):
                 cb = progress(mode, len(agents)) if progress is not None else None
                 try:
                     runs[r][mode] = run_mode(
-                        mode, agents, model=model_dir, python=python, state=state, num_blocks=blocks,
+                        v.mode, agents, model=model_dir, python=python, state=state, num_blocks=blocks,
                         max_model_len=max_len, pin_budget=pin_budget, extra_args=[], progress=cb,
-                        host_capacity_tokens=host_tokens,
+                        host_capacity_tokens=host_tokens, label=mode, policy_options=v.policy_options,
+                        hint_env=dict(v.env),
                     )  # fmt: skip
                     break
                 except RuntimeError as e:
@@ -332,10 +425,18 @@ def vllm_table(report: dict[str, Any]) -> str:
 def vllm_replay(ctx: click.Context, progress: Callable[[str, int], Callable[[int], None]] | None) -> None:
     """The command's vLLM half: options from ``ctx``, the run, the table, the JSON."""
     p = ctx.params
+    variants: list[VllmVariant] = []
     try:
-        modes = parse_modes(p["policies"])
+        for text in p["variants"]:
+            variants.append(parse_vllm_variant(text, variants))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--variant") from None
+    try:
+        modes = parse_modes(p["policies"], variants)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--policy") from None
+    if unused := [v.name for v in variants if v.name not in modes]:
+        click.echo(f"note: --variant {', '.join(unused)} not in --policy, so not run", err=True)
 
     def log(msg: str) -> None:
         if msg and p["progress"]:
@@ -346,7 +447,7 @@ def vllm_replay(ctx: click.Context, progress: Callable[[str, int], Callable[[int
             workload=p["workload"], modes=modes, num_programs=p["num_programs"], rate=p["rate"], scale=p["scale"],
             seed=p["seed"], kv_capacity_tokens=p["kv_capacity_tokens"], vllm_python=p["vllm_python"],
             model=p["vllm_model"], state_dir=p["state_dir"], progress=progress, log=log,
-            host_capacity_tokens=p["host_capacity_tokens"], rounds=p["rounds"],
+            host_capacity_tokens=p["host_capacity_tokens"], rounds=p["rounds"], variants=variants,
         )  # fmt: skip
     except (ValueError, OSError, RuntimeError, TimeoutError) as e:
         raise click.ClickException(str(e)) from None

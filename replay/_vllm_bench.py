@@ -43,7 +43,7 @@ from engine_adapter.vllm_backend import (
     stop_vllm,
     wait_healthy,
 )
-from orchestrator import THUNDER_PERIOD_S
+from orchestrator import THUNDER_PERIOD_S, PolicySpec
 from replay._vllm_agents import HintPusher, ProgramResult, run_program
 from replay._vllm_backend import stock_of
 from replay._vllm_readings import NodeReadings
@@ -120,24 +120,29 @@ def run_mode(
     mode: str, programs: list[AgentProgram], *, model: Path, python: str, state: Path, num_blocks: int,
     max_model_len: int, pin_budget: float | None, extra_args: list[str], aging_s: float | None = None,
     hint_env: dict[str, str] | None = None, progress: Callable[[int], None] | None = None,
-    host_capacity_tokens: int = 0,
+    host_capacity_tokens: int = 0, label: str | None = None, policy_options: tuple[tuple[str, Any], ...] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """Start this mode's server, replay the programs, stop it; the mode's summary.
 
     ``progress(1)`` is called as each program finishes (from the client threads). A mode named
-    ``BASE+host`` runs ``BASE`` with hintflow's host KV tier of ``host_capacity_tokens`` tokens."""
+    ``BASE+host`` runs ``BASE`` with hintflow's host KV tier of ``host_capacity_tokens`` tokens.
+    ``label``: the run's name for its log and results files (a ``--variant``'s; default the mode);
+    ``policy_options``: the pushed policy's options (``orchestrator.POLICY_OPTIONS``)."""
     base_mode, plus, tier = mode.partition("+")
     if base_mode not in MODES or (plus and tier != "host"):
         raise ValueError(f"unknown mode {mode!r}: one of {', '.join(MODES)}, each optionally with '+host'")
     if plus and host_capacity_tokens < 1:
         raise ValueError(f"mode {mode!r} needs a positive host_capacity_tokens")
+    if policy_options and base_mode not in PUSHED_POLICY:
+        raise ValueError(f"mode {mode!r} pushes no policy to take options {dict(policy_options)}")
+    label = label or mode
     port, hint_port = _free_port(), _free_port()
     hintflow = base_mode != "vanilla"
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
             "--num-gpu-blocks-override", str(num_blocks), *extra_args]  # fmt: skip
     argv, env = build_vllm_command(
         model, port=port, hint_port=hint_port if hintflow else None, pin_budget=pin_budget,
-        state_dir=state / mode, python=python, extra_args=args, hintflow=hintflow,
+        state_dir=state / label, python=python, extra_args=args, hintflow=hintflow,
         host_capacity_tokens=host_capacity_tokens if plus else None,
     )  # fmt: skip
     if hintflow and aging_s is not None:
@@ -149,7 +154,7 @@ def run_mode(
     if len(env["VLLM_RPC_BASE_PATH"]) + 1 + 36 > _IPC_PATH_MAX:  # vLLM's sockets: BASE/uuid4
         short_rpc = tempfile.mkdtemp(prefix="hintflow-rpc-")
         env["VLLM_RPC_BASE_PATH"] = short_rpc
-    log = state / f"{mode}.log"
+    log = state / f"{label}.log"
     proc = start_vllm(argv, env, log, cwd=state)
     base = f"http://127.0.0.1:{port}"
     pusher = None
@@ -159,7 +164,7 @@ def run_mode(
         warm = AgentProgram("warmup", 0.0, programs[0].all_sessions[0].turns[:1])
         run_program(base, str(model), warm, time.monotonic(), "plain")
         if base_mode in PUSHED_POLICY:
-            pusher = HintPusher(f"127.0.0.1:{hint_port}", PUSHED_POLICY[base_mode],
+            pusher = HintPusher(f"127.0.0.1:{hint_port}", PolicySpec(PUSHED_POLICY[base_mode], policy_options),
                                 host_s_per_token=HOST_RELOAD_S_PER_TOKEN if plus else None,
                                 pool_tokens=float(num_blocks * BLOCK),
                                 thunder_period_s=THUNDER_PERIOD_S if base_mode == "thunderagent" else None)
@@ -181,7 +186,7 @@ def run_mode(
             readings = None
         dump = [{"program": r.program_id, "arrival_s": r.arrival_s, "jct_s": r.jct_s, "error": r.error,
                  "turns": [vars(t) for t in r.turns]} for r in results]  # fmt: skip
-        (state / f"{mode}.programs.json").write_text(json.dumps(dump))
+        (state / f"{label}.programs.json").write_text(json.dumps(dump))
         if pusher is not None:
             out["hints_sent"] = dict(pusher.sent)
             out["hint_results"] = dict(pusher.codes)

@@ -97,6 +97,18 @@ def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None
     return f"node.{mode}={spec}:{HOST[host_save]},retain_contexts=true"
 
 
+def _variant_mirror(name: str, variant: dict[str, Any], host_save: str, pin_budget: float | None) -> str:
+    """A ``--variant`` of a real mode (its report's ``config.variants``): the mode's mirror, named apart,
+    with the variant's policy options on top of the mirror's own."""
+    spec = _mirror(variant["mode"], host_save, pin_budget)
+    if "=" not in spec:
+        raise SystemExit(f"variant {name}: its mode {variant['mode']} pushes no policy to mirror")
+    base, _, opts = spec.partition("=")[2].partition(":")
+    keys = dict(item.split("=", 1) for item in opts.split(","))
+    keys.update((f"policy.{k}", str(v).lower()) for k, v in variant["policy_options"].items())
+    return f"node.{name}={base}:" + ",".join(f"{k}={v}" for k, v in keys.items())
+
+
 def _reference(mode: str) -> str:
     """The stock row a mode is compared with: the stock scheduler with the same memory."""
     return "vanilla+host" if mode.endswith("+host") else "vanilla"
@@ -168,7 +180,10 @@ def main() -> None:
         if mode not in real["policies"] or not value:
             raise SystemExit(f"--node-prefill-share {item!r}: expected MODE=SHARE with a mode of {a.real}")
         real["policies"][mode]["node_prefill_share"] = float(value)
-    modes = [m for m in real["policies"] if m.removesuffix("+host") in MIRRORS]
+    variants = {name: v for name, v in real["config"].get("variants", {}).items() if not v.get("env")}
+    for name in set(real["config"].get("variants", {})) - set(variants):  # the replay has no node settings
+        print(f"{name}: a variant of the node's settings (env.*), not mirrored")
+    modes = [m for m in real["policies"] if m.removesuffix("+host") in MIRRORS or m in variants]
     if not any(m in modes for m in ("vanilla", "vanilla+host")):
         raise SystemExit(f"{a.real}: no vanilla or vanilla+host row to calibrate on")
     modes = [m for m in modes if _reference(m) in modes]  # a ratio needs its stock row from the same run
@@ -185,7 +200,8 @@ def main() -> None:
             print(f"fitted to {_reference(group[0])}: prefill {profile['prefill_b_s_per_token']:.3g} s/token, "
                   f"decode step {profile['decode_base_s']} s (replayed {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s "
                   f"JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
-            specs = [_mirror(m, a.host_save, real["config"].get("pin_budget")) for m in group]
+            specs = [_variant_mirror(m, variants[m], a.host_save, real["config"].get("pin_budget")) if m in variants
+                     else _mirror(m, a.host_save, real["config"].get("pin_budget")) for m in group]
             got = _replay(_setup(real, path, host=host), specs)
             names = [s.partition("=")[0] if "=" in s else s for s in specs]
             pred.update({m: got[n] for m, n in zip(group, names, strict=True)})

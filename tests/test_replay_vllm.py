@@ -15,6 +15,7 @@ hit the cache under hintflow.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -225,6 +226,10 @@ def test_one_session_program_is_sent_as_before(fake_vllm: _FakeVllm) -> None:
     (["--vllm-python", "py"], "--vllm-python applies only with --backend vllm"),
     (["--rounds", "3"], "--rounds applies only with --backend vllm"),
     (["--backend", "vllm", "--rounds", "0"], "--rounds"),
+    (["--backend", "vllm", "--variant", "T=hintflow-orchestrator+host:policy.queue_delay=false"], "ends with '+host'"),
+    (["--backend", "vllm", "--variant", "x=hintflow-infer:env.HINTFLOW_TTFT_DEADLNE_S=1"], "unknown node setting"),
+    (["--backend", "vllm", "--variant", "x=hintflow-infer:env.HINTFLOW_TTFT_DEADLINE_S=1", "-p", "y"],
+     "or a --variant (x)"),
 ])  # fmt: skip
 def test_usage_errors(args: list[str], expected: str) -> None:
     res = CliRunner().invoke(replay_command, [*args, "--no-progress"])
@@ -299,6 +304,66 @@ def test_a_server_whose_port_was_taken_is_started_again(monkeypatch: pytest.Monk
     with pytest.raises(RuntimeError, match="some other"):  # anything else is not retried
         run_vllm_replay(modes=["hintflow-infer"], **kw)
     assert calls[2:] == ["hintflow-infer"]
+
+
+# ---- variants -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("text", "expected"), [
+    ("x=hintflow-infer", "no options given"),
+    ("x=vanilla:policy.rel_change=0.1", "'vanilla' pushes none"),
+    ("x=hintflow-infer:policy.rel_change=0.1", "'hintflow-infer' pushes none"),
+    ("x=vanilla:env.HINTFLOW_YIELD_PINS=0", "stock vLLM reads no HINTFLOW_* setting"),
+    ("x=continuum:policy.measured_price=maybe", "expected true or false"),
+    ("x=continuum:policy.nope=1", "unknown option 'policy.nope'"),
+    ("x=continuum:queue_delay=false", "unknown option 'queue_delay'"),
+    ("x+host=continuum:policy.queue_delay=false", "does not end with '+host'"),
+    ("kvflow=continuum:policy.queue_delay=false", "already taken"),
+    ("x=sglang:policy.queue_delay=false", "unknown mode 'sglang'"),
+    ("bad name=continuum:policy.queue_delay=false", "expected NAME=MODE"),
+])  # fmt: skip
+def test_a_bad_vllm_variant_is_an_error_naming_what_is_wrong(text: str, expected: str) -> None:
+    from replay._vllm_backend import parse_vllm_variant
+
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        parse_vllm_variant(text)
+
+
+def test_variants_run_as_their_mode_with_their_options_and_pair_with_its_stock(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import replay._vllm_bench as bench
+    from replay._vllm_backend import parse_modes, parse_vllm_variant, run_vllm_replay
+
+    t = parse_vllm_variant("T+host=hintflow-orchestrator+host:policy.measured_price=false")
+    # an earlier variant as the base: its options carry over, the new ones on top
+    d = parse_vllm_variant("TD+host=T+host:env.HINTFLOW_TTFT_DEADLINE_S=1.5,policy.queue_delay=false", [t])
+    assert d.mode == "hintflow-orchestrator+host" and d.env == (("HINTFLOW_TTFT_DEADLINE_S", "1.5"),)
+    assert d.policy_options == (("measured_price", False), ("queue_delay", False))
+    modes = parse_modes("vanilla+host,hintflow-orchestrator+host,TD+host", [t, d])
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    def run_mode(mode: str, agents: Any, **kw: Any) -> dict[str, Any]:
+        calls.append((mode, kw))
+        (tmp_path / "s" / f"{kw['label']}.programs.json").write_text("[]")
+        return _summary({"vanilla+host": 10.0, "hintflow-orchestrator+host": 8.0}.get(kw["label"], 6.0), 1.0)
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    monkeypatch.setattr(bench, "ensure_model", lambda python, d: None)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    report = run_vllm_replay(workload="swe-agent", num_programs=2, vllm_python="/bin/true", model=tmp_path / "m",
+                             state_dir=tmp_path / "s", modes=modes, variants=[t, d], rounds=2)  # fmt: skip
+    first = {kw["label"]: (mode, kw["policy_options"], kw["hint_env"]) for mode, kw in calls[:3]}
+    assert first == {
+        "vanilla+host": ("vanilla+host", (), {}),
+        "hintflow-orchestrator+host": ("hintflow-orchestrator+host", (), {}),
+        "TD+host": ("hintflow-orchestrator+host", (("measured_price", False), ("queue_delay", False)),
+                    {"HINTFLOW_TTFT_DEADLINE_S": "1.5"}),
+    }  # fmt: skip
+    assert [kw["label"] for _, kw in calls[3:]] == modes[::-1]  # round 2 in reverse, the variant among them
+    assert report["ratios"]["TD+host"]["jct_mean_s"]["median"] == 0.6  # paired with vanilla+host
+    assert report["config"]["variants"] == {"TD+host": {
+        "mode": "hintflow-orchestrator+host", "policy_options": {"measured_price": False, "queue_delay": False},
+        "env": {"HINTFLOW_TTFT_DEADLINE_S": "1.5"}}}  # fmt: skip
 
 
 # ---- against real vLLM servers -------------------------------------------------------------------------

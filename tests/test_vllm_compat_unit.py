@@ -206,6 +206,19 @@ def test_a_python_without_vllm_is_reported() -> None:
     assert "--vllm-python" in str(err.value) and TESTED_VLLM_VERSION in str(err.value)  # what to do instead
 
 
+def test_node_settings_name_every_setting_the_node_reads() -> None:
+    """``NODE_SETTINGS`` (what ``--variant ...:env.KEY=`` accepts) is exactly the ``HINTFLOW_*`` names the
+    package reads from its environment: a new setting not listed, or a listed one no longer read, fails."""
+    import re
+    from pathlib import Path
+
+    read = set()
+    for path in (Path(_serve.__file__).parent).glob("*.py"):
+        read |= set(re.findall(r'(?:environ\.get|env_on|env_?|getenv)\(\s*"(HINTFLOW_[A-Z0-9_]+)"', path.read_text()))
+    read.discard("HINTFLOW_VLLM_PYTHON")  # where the launcher finds vLLM, not a node setting
+    assert read == set(_serve.NODE_SETTINGS)
+
+
 # ---- against the installed vLLM ---------------------------------------------------------------------------
 
 _MUTATE = r"""

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from engine_adapter.vllm_backend._serve import (
         ASYNC_SCHEDULER_CLS,
         AUTO_SCHEDULER_CLS,
+        NODE_SETTINGS,
         REPO,
         SCHEDULER_CLS,
         build_vllm_command,
@@ -71,6 +72,7 @@ _LAZY: dict[str, str] = {
     "KvEventSubscriber": "engine_adapter.vllm_backend._kv_subscriber",
     "ASYNC_SCHEDULER_CLS": "engine_adapter.vllm_backend._serve",
     "AUTO_SCHEDULER_CLS": "engine_adapter.vllm_backend._serve",
+    "NODE_SETTINGS": "engine_adapter.vllm_backend._serve",
     "REPO": "engine_adapter.vllm_backend._serve",
     "SCHEDULER_CLS": "engine_adapter.vllm_backend._serve",
     "build_vllm_command": "engine_adapter.vllm_backend._serve",
@@ -87,6 +89,7 @@ __all__ = [
     "ASYNC_SCHEDULER_CLS",
     "AUTO_SCHEDULER_CLS",
     "HOST_RELOAD_S_PER_TOKEN",
+    "NODE_SETTINGS",
     "PIN_BUDGET",
     "PIN_BUDGET_WITH_HOST",
     "REPO",

@@ -33,6 +33,7 @@ from ._host_index import host_tier_config
 __all__ = [
     "ASYNC_SCHEDULER_CLS",
     "AUTO_SCHEDULER_CLS",
+    "NODE_SETTINGS",
     "SCHEDULER_CLS",
     "async_scheduling_flag",
     "build_vllm_command",
@@ -49,6 +50,17 @@ SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowScheduler"
 ASYNC_SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowAsyncScheduler"
 AUTO_SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowAutoScheduler"
 REPO = Path(__file__).resolve().parents[2]
+NODE_SETTINGS = (
+    "HINTFLOW_ADMIT_FRACTION", "HINTFLOW_ADMIT_GUARD", "HINTFLOW_ADMIT_HORIZON_S", "HINTFLOW_ADMIT_MAX_WAIT_S",
+    "HINTFLOW_HINT_HOST", "HINTFLOW_HINT_PORT", "HINTFLOW_HOST_RELOAD_S_PER_TOKEN", "HINTFLOW_HOST_SAVE",
+    "HINTFLOW_INFER_DEFER_S", "HINTFLOW_INFER_HINTS", "HINTFLOW_INFER_MEASURED_PRICE", "HINTFLOW_INFER_MEMORY_SHARE",
+    "HINTFLOW_INFER_RELOAD_S_PER_TOKEN", "HINTFLOW_INFER_SILENT_S", "HINTFLOW_METRICS_HOST", "HINTFLOW_METRICS_PORT",
+    "HINTFLOW_NODE_ID", "HINTFLOW_PINNED_FIRST", "HINTFLOW_PIN_BUDGET", "HINTFLOW_PIN_GRACE_S",
+    "HINTFLOW_PRIORITY_AGING_S", "HINTFLOW_TTFT_DEADLINE_S", "HINTFLOW_YIELD_PINS",
+)  # fmt: skip
+"""Every setting a hintflow vLLM node reads from its environment (docs/vllm-backend.md says what each does):
+what a caller may set checks against this, so a misspelt name is an error, not a setting that does nothing
+(tests/test_vllm_compat_unit.py keeps it equal to the names the package reads)."""
 
 
 def find_vllm_python() -> str | None:
