@@ -41,8 +41,8 @@ class HintFlowPolicy(ContinuumPolicy):
         cheaper of the two, so it is priced by that (Continuum prices re-prefill alone), and without
         Continuum's queueing term (HostTierTTL), for the share of evicted contexts the tier does give
         back (``host_hit_fraction``, the node's measure); the rest is priced as a lost context, as the vLLM
-        node's own inference prices it: with ``measured_price`` by the measured price, else by re-prefill
-        and T. The estimates learned so far carry over."""
+        node's own inference prices it: by re-prefill and T (``measured_price`` is for nodes without a tier;
+        why: ``HostTierTTL``). The estimates learned so far carry over."""
         old = self.ttl
         floor = self.queue_delay_floor  # T at least the wait behind the nodes' prefill backlog, as on the node
         if self.host_reload is None and self.prefill_share is not None:  # the measured price (ContinuumTTL)
@@ -58,7 +58,6 @@ class HintFlowPolicy(ContinuumPolicy):
                 miss_reload=prefill if self.host_hit_fraction is not None else None,
                 host_hit_fraction=self.host_hit_fraction, queue_delay_floor_s=floor,
                 count_queue_delay=self.queue_delay,  # (T weighs only the share the tier does not give back)
-                prefill_share=self.prefill_share, unpinned_survival=self.unpinned_survival,  # (measured_price)
             )
         self.ttl.learn_from(old)
 

@@ -12,8 +12,13 @@ what differs is only what the paper behind it changes.  Why each field exists:
   dropping them.  Only the designs that use one get it (KVFlow, Continuum's offload variant, hintflow).
 * ``host_write_through``: the host tier is filled as vLLM's host connectors fill theirs (every turn's
   blocks copied out as it ends, least recently used chains dropped first) instead of on eviction in the
-  hinted order (``engine_adapter/_host_tier.py``). Off for every registered row; ``scripts/vllm_predict.py``
-  sets it for the real node's ``+host`` modes, which run such a connector.
+  hinted order (``engine_adapter/_host_tier.py``). On for ``vllm-offload`` (stock vLLM with its own
+  ``--kv-offloading-size``, whose connector stores every block as it is computed); off for the designs that
+  offload on eviction; ``scripts/vllm_predict.py`` sets it for the real node's ``+host`` modes when their
+  connector ran write-through.  ``vllm-offload`` retains contexts (``retain_contexts``) because vLLM's
+  prefix cache keeps a finished request's blocks until they are reused, and only a retained context can
+  be reloaded from the host tier once the device has reused its blocks: the replay's row without
+  retention gains nothing from the tier.
 * ``cold_prefill_cap``: the hintflow engine's cap on cold prefills while warm work shares a step; vLLM
   (and the systems built on it) have no such cap, so the baselines run with the whole step budget.
   ``hintflow`` runs with it, as the engine ships.  Measured both ways: on the replay's workloads, which
@@ -110,6 +115,13 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
             "vllm-default", "vllm-default", "session", retain_contexts=False, eviction_policy="lru",
             host_tier=False,
             description="stock vLLM: request FCFS, finished blocks to the LRU free queue, session routing",
+        ),
+        ReplayConfig(
+            "vllm-offload", "vllm-default", "session", retain_contexts=True, eviction_policy="lru",
+            host_tier=True, host_write_through=True,
+            description="stock vLLM with its own CPU offload (--kv-offloading-size): request FCFS, finished "
+                        "contexts kept in the prefix cache and evicted LRU, every block saved to host as "
+                        "computed, the host dropping LRU",
         ),
         ReplayConfig(
             "continuum", "continuum", "session", retain_contexts=True, eviction_policy="lru",

@@ -88,8 +88,6 @@ def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None
     spec = MIRRORS[base].replace(f"pin_budget={PIN_BUDGET}", f"pin_budget={budget}")
     if not host:
         return spec
-    if base.startswith("hintflow-infer"):  # the node's inference keeps T on a host tier's lost share
-        spec += ",policy.measured_price=false"
     if "=" in spec:
         return spec.replace(f"node.{base}=", f"node.{mode}=", 1) + f",{HOST[host_save]}"
     # Stock vLLM keeps a finished request's blocks in its prefix cache until they are reused, and the

@@ -301,11 +301,11 @@ def test_hintflow_queue_delay_option_reaches_the_host_tiers_lost_share() -> None
     assert _lost_share_pin_ttl(measured_price=False, queue_delay=False) == pytest.approx(math.log(10.0), rel=1e-2)
 
 
-def test_hintflow_measured_price_prices_the_host_tiers_lost_share_too() -> None:
-    """A host tier that gives nothing back and T = 20 s: T-priced, a pin is worth re-prefill and T (ln 30 s);
-    with the nodes' readings (p = 0.8, s = 0.5) the lost context is priced as without a tier, 10 s * 0.5 *
-    4 = 20 s (ln 20 s); ``measured_price=False`` keeps T whatever the nodes read."""
-    assert _lost_share_pin_ttl((0.8, 0.5)) == pytest.approx(math.log(20.0), rel=1e-2)
+def test_hintflow_prices_the_host_tiers_lost_share_by_t_whatever_the_nodes_read() -> None:
+    """A host tier that gives nothing back and T = 20 s: a pin is worth re-prefill and T (ln 30 s) with the
+    nodes' readings too (p = 0.8, s = 0.5 would make the measured price 10 s * 0.5 * 4 = 20 s): on the real
+    vLLM node with a short host tier the measured price there lost 30% of mean JCT (``HostTierTTL``)."""
+    assert _lost_share_pin_ttl((0.8, 0.5)) == pytest.approx(math.log(30.0), rel=1e-2)
     assert _lost_share_pin_ttl((0.8, 0.5), measured_price=False) == pytest.approx(math.log(30.0), rel=1e-2)
 
 

@@ -361,19 +361,17 @@ def test_measured_price_caps_the_prefill_share_and_ignores_bad_readings() -> Non
     assert ttl.ttl("t", 1000) == 0.0
 
 
-def test_host_tier_measured_price_weighs_the_lost_share_without_t() -> None:
+def test_host_tier_prices_the_lost_share_by_t_and_refuses_a_measured_price() -> None:
     """A host tier that gives back h of an evicted context: that share is priced by its copy back, the rest
-    as a lost context, by T and the re-prefill, or with the node's readings by the measured price."""
+    as a lost context, by T and the re-prefill; the measured price's reading is ContinuumTTL's, refused here
+    (a price silently not used would be a trap)."""
     from predictors import HostTierTTL
 
     model = PauseModel(min_samples=1)
     kw: dict = {"miss_reload": lambda n: 1e-3 * n, "host_hit_fraction": lambda: 0.25}
-    t_priced = HostTierTTL(model, lambda n: 1e-5 * n, **kw)
-    measured = HostTierTTL(model, lambda n: 1e-5 * n, prefill_share=lambda: 0.8, unpinned_survival=lambda: 0.5,
-                           **kw)  # fmt: skip
-    for ttl in (t_priced, measured):
-        for _ in range(3):
-            ttl.observe_evicted_queue_delay(20.0)
-    copy_back = 0.25 * 0.01
-    assert t_priced.benefit_s(1000) == pytest.approx(copy_back + 0.75 * (20.0 + 1.0))
-    assert measured.benefit_s(1000) == pytest.approx(copy_back + 0.75 * 1.0 * 0.5 * 4.0)  # p/(1-p) = 4
+    ttl = HostTierTTL(model, lambda n: 1e-5 * n, **kw)
+    for _ in range(3):
+        ttl.observe_evicted_queue_delay(20.0)
+    assert ttl.benefit_s(1000) == pytest.approx(0.25 * 0.01 + 0.75 * (20.0 + 1.0))
+    with pytest.raises(ValueError, match="prefill_share is ContinuumTTL's"):
+        HostTierTTL(model, lambda n: 1e-5 * n, prefill_share=lambda: 0.8, **kw)
