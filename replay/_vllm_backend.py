@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import statistics
 import tempfile
 import time
@@ -123,22 +122,20 @@ class VllmVariant:
     env: tuple[tuple[str, str], ...] = ()
 
 
-_VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,39}")
-
-
 def parse_vllm_variant(text: str, earlier: Sequence[VllmVariant] = ()) -> VllmVariant:
     """One ``--variant`` for the vLLM backend; ``ValueError`` naming what is wrong.  A variant of a ``+host``
     mode must be named ``...+host`` (so it is compared with ``vanilla+host``, as its mode is), and the
     other way round; ``policy.*`` keys need a mode whose policy pushes hints; ``env.*`` keys a hintflow
     node (stock vLLM reads none)."""
     from engine_adapter.vllm_backend import NODE_SETTINGS
-    from orchestrator import POLICY_OPTIONS, parse_value
+    from orchestrator import POLICY_OPTIONS, Option, parse_options
+    from replay._policies import _NAME
     from replay._vllm_bench import MODES, PUSHED_POLICY
 
     where = f"--variant {text!r}"
     name, sep, rest = text.partition("=")
     name = name.strip()
-    if not sep or not _VARIANT_NAME.fullmatch(name):
+    if not sep or not _NAME.fullmatch(name):
         raise ValueError(f"{where}: expected NAME=MODE:KEY=VALUE,... with NAME of letters, digits, '_.+-' (at most 40)")
     prior = {v.name: v for v in earlier}
     if name.removesuffix("+host") in MODES or name in prior:
@@ -156,37 +153,20 @@ def parse_vllm_variant(text: str, earlier: Sequence[VllmVariant] = ()) -> VllmVa
         want = "ends" if base.mode.endswith("+host") else "does not end"
         raise ValueError(f"{where}: a variant of {base.mode!r} is compared with the same stock run, so its "
                          f"name {want} with '+host'")
-    plain = base.mode.removesuffix("+host")
-    policy, env = dict(base.policy_options), dict(base.env)
-    for item in (p for p in opts.split(",") if p.strip()):
-        key, eq, raw = (x.strip() for x in item.partition("="))
-        if not eq:
-            raise ValueError(f"{where}: {item.strip()!r} is not KEY=VALUE")
-        if key.startswith("policy."):
-            option = POLICY_OPTIONS.get(key.removeprefix("policy."))
-            if option is None:
-                raise ValueError(f"{where}: unknown option {key!r}; known: "
-                                 f"{', '.join('policy.' + k for k in POLICY_OPTIONS)}, env.HINTFLOW_*")
-            if plain not in PUSHED_POLICY:
-                raise ValueError(f"{where}: {key} needs a mode whose policy pushes hints "
-                                 f"({', '.join(PUSHED_POLICY)}); {plain!r} pushes none")
-            try:
-                policy[key.removeprefix("policy.")] = parse_value(key, raw, option)
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
-        elif key.startswith("env."):
-            var = key.removeprefix("env.")
-            if var not in NODE_SETTINGS:
-                raise ValueError(f"{where}: unknown node setting {key!r}; known: "
-                                 f"{', '.join('env.' + k for k in NODE_SETTINGS)}")
-            if plain == "vanilla":
-                raise ValueError(f"{where}: {key}: stock vLLM reads no HINTFLOW_* setting")
-            env[var] = raw
-        else:
-            raise ValueError(f"{where}: unknown option {key!r}; known: policy.KEY "
-                             f"({', '.join(POLICY_OPTIONS)}), env.HINTFLOW_*")
-    if policy == dict(base.policy_options) and env == dict(base.env):
+    options = {f"policy.{k}": o for k, o in POLICY_OPTIONS.items()}
+    options.update((f"env.{k}", Option(str, "a node setting")) for k in NODE_SETTINGS)
+    given = parse_options(opts, options, where)
+    if not given:
         raise ValueError(f"{where}: no options given (KEY=VALUE after {base_name}:)")
+    plain = base.mode.removesuffix("+host")
+    for key, _ in given:
+        if key.startswith("policy.") and plain not in PUSHED_POLICY:
+            raise ValueError(f"{where}: {key} needs a mode whose policy pushes hints "
+                             f"({', '.join(PUSHED_POLICY)}); {plain!r} pushes none")
+        if key.startswith("env.") and plain == "vanilla":
+            raise ValueError(f"{where}: {key}: stock vLLM reads no HINTFLOW_* setting")
+    policy = dict(base.policy_options) | {k.removeprefix("policy."): v for k, v in given if k.startswith("policy.")}
+    env = dict(base.env) | {k.removeprefix("env."): str(v) for k, v in given if k.startswith("env.")}
     return VllmVariant(name, base.mode, tuple(policy.items()), tuple(env.items()))
 
 
