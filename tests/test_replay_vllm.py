@@ -402,6 +402,7 @@ def test_replay_against_real_vllm(tmp_path: Path, vllm_python: str) -> None:
         assert all(t["cached_tokens"] >= 256 for t in later), run  # at least two blocks of the last prompt
         assert [t["prompt_tokens"] for t in run["turns"]] == sorted(t["prompt_tokens"] for t in run["turns"])
     assert report["policies"]["hintflow-infer+host"]["across_turn_hit_rate"] > 0.5
+    assert report["policies"]["hintflow-infer+host"]["preemptions"] >= 0  # read from the server's /metrics
 
 
 async def test_node_readings_average_a_busy_node_s_cache_state(start_engine: Any) -> None:
@@ -431,3 +432,36 @@ def test_node_readings_of_a_node_that_never_answers_say_nothing() -> None:
     readings = NodeReadings("127.0.0.1:1", period_s=0.01)  # nothing listens there
     time.sleep(0.1)
     assert readings.stop() == {} and readings.num_failed >= 1
+
+
+def test_a_counter_is_read_from_a_server_s_metrics_summed_over_its_labels() -> None:
+    import http.server
+    import threading
+
+    from replay._vllm_bench import vllm_counter
+
+    body = (b"# HELP vllm:num_preemptions_total Cumulative number of preemptions.\n"
+            b"# TYPE vllm:num_preemptions_total counter\n"
+            b'vllm:num_preemptions_total{engine="0",model_name="m"} 3.0\n'
+            b'vllm:num_preemptions_total{engine="1",model_name="m"} 2.0\n'
+            b'vllm:num_preemptions_created{engine="0",model_name="m"} 1.7e9\n')  # fmt: skip
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert vllm_counter(base, "vllm:num_preemptions_total") == 5.0
+        assert vllm_counter(base, "vllm:no_such_counter") is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert vllm_counter(base, "vllm:num_preemptions_total") is None  # nobody answers: nothing, no error
