@@ -51,6 +51,8 @@ class QueueRules:
     ttft_deadline_s: float
     admit_fraction: float
     admit_max_wait_s: float
+    admit_wait_follows_t: bool
+    infer: Any
     admit_horizon_s: float
     admit_stats: dict[str, int]
     _admit_reason: dict[str, str]
@@ -165,6 +167,14 @@ class QueueRules:
         others = any(not self._is_new_program_turn(r) for r in self.waiting)
         return [need, not self.running and not others]
 
+    def _admit_max_wait_s(self) -> float:
+        """The longest a new program's first turn is held: ``admit_max_wait_s``, or with
+        ``HINTFLOW_ADMIT_MAX_WAIT_S=auto`` at least the wait of returning turns whose context was lost
+        (the inference's T), so a new program waits no longer than a returning one that lost its context."""
+        if self.admit_wait_follows_t and self.infer is not None:
+            return max(self.admit_max_wait_s, self.infer.rule.queue_delay_s)
+        return self.admit_max_wait_s
+
     def _handle_blocked_waiting_request(self, request: Any) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]  # vLLM's, via the MRO
             return False
@@ -174,7 +184,7 @@ class QueueRules:
         blocks = -(-request.num_tokens // self.block_size)
         why = admit_verdict(
             st[0], blocks, self.book.num_blocks, self.admit_fraction,
-            idle=st[1], waited_s=time.time() - request.arrival_time, max_wait_s=self.admit_max_wait_s,
+            idle=st[1], waited_s=time.time() - request.arrival_time, max_wait_s=self._admit_max_wait_s(),
         )  # fmt: skip
         if why is None:
             self.admit_stats["held"] += 1
