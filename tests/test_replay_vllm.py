@@ -227,7 +227,8 @@ def test_one_session_program_is_sent_as_before(fake_vllm: _FakeVllm) -> None:
     (["--rounds", "3"], "--rounds applies only with --backend vllm"),
     (["--backend", "vllm", "--rounds", "0"], "--rounds"),
     (["--backend", "vllm", "--variant", "T=hintflow-orchestrator+host:policy.queue_delay=false"], "ends with '+host'"),
-    (["--backend", "vllm", "--variant", "x=hintflow-infer:env.HINTFLOW_TTFT_DEADLNE_S=1"], "unknown node setting"),
+    (["--backend", "vllm", "--variant", "x=hintflow-infer:env.HINTFLOW_TTFT_DEADLNE_S=1"],
+     "unknown option 'env.HINTFLOW_TTFT_DEADLNE_S'"),
     (["--backend", "vllm", "--variant", "x=hintflow-infer:env.HINTFLOW_TTFT_DEADLINE_S=1", "-p", "y"],
      "or a --variant (x)"),
 ])  # fmt: skip
