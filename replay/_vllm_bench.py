@@ -206,13 +206,14 @@ def run_mode(
 def vllm_counter(base: str, name: str) -> float | None:
     """A counter from the server's own ``/metrics`` (every label summed; vLLM names it with ``_total``),
     None when it cannot be read: a figure stock vLLM and hintflow's node report alike."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
             text = resp.read().decode()
     except OSError:
         return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " ")]  # fmt: skip
+    values = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
     return sum(values) if values else None
 
 
