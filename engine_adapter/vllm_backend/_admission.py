@@ -142,7 +142,8 @@ class QueueRules:
         )
 
     def _admission_state(self) -> list[Any]:
-        """[blocks the in-flight programs' contexts need, whether the engine would idle without new programs].
+        """[blocks the in-flight programs' contexts need, whether the engine would idle without new programs,
+        the longest a new program's first turn is held this step].
 
         In flight: programs with an admitted turn that are still known to the book. Each session counts
         its live requests' full length, else its pinned blocks, else (parked, unpinned, active within
@@ -165,7 +166,7 @@ class QueueRules:
                 elif now - s.last_active_s < self.admit_horizon_s:
                     need += len(s.snapshot)
         others = any(not self._is_new_program_turn(r) for r in self.waiting)
-        return [need, not self.running and not others]
+        return [need, not self.running and not others, self._admit_max_wait_s()]
 
     def _admit_max_wait_s(self) -> float:
         """The longest a new program's first turn is held: ``admit_max_wait_s``, or with
@@ -184,7 +185,7 @@ class QueueRules:
         blocks = -(-request.num_tokens // self.block_size)
         why = admit_verdict(
             st[0], blocks, self.book.num_blocks, self.admit_fraction,
-            idle=st[1], waited_s=time.time() - request.arrival_time, max_wait_s=self._admit_max_wait_s(),
+            idle=st[1], waited_s=time.time() - request.arrival_time, max_wait_s=st[2],
         )  # fmt: skip
         if why is None:
             self.admit_stats["held"] += 1

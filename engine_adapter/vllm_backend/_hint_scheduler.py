@@ -233,7 +233,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.grace_holds = 0
         self._overdue: set[str] = set()  # waiting requests already moved to the front (deadline passed)
         self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)
-        self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle] for the current step
+        self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle, hold] for this step
         self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
         # request id -> why admission last let it through; counted once vLLM schedules it (memory may
         # still keep it waiting, and each step would otherwise count it again)
