@@ -16,10 +16,12 @@ the stock run's latencies alike, and the pin price (``measured_price``) depends 
 Step 2 replays, with that cost model, one node configured as each real mode's node (``MIRRORS``) and
 prints each mode's ratio to stock vLLM, measured against predicted, and whether the ranking agrees.
 
-What the mirrors leave out (the replay has no such mechanism): the vLLM node's admission guard for new
-programs; the node's engine-side inference (``hintflow-infer``) is mirrored by the orchestrator's
-``hintflow`` policy with memory share, which prices pins alike but measures T differently; and the gap
-before a pushed hint reaches the node, which the node's turn-end grace (``HINTFLOW_PIN_GRACE_S``) closes.
+Each hintflow node runs the node's admission guard (``scheduler.admit_*``, the same rule), and
+a variant's node settings in ``NODE_ENV`` are mirrored as scheduler keys; a variant of any other setting
+is left out. What the mirrors leave out (the replay has no such mechanism): the node's engine-side
+inference (``hintflow-infer``) is mirrored by the orchestrator's ``hintflow`` policy with memory share,
+which prices pins alike but measures T differently; and the gap before a pushed hint reaches the node,
+which the node's turn-end grace (``HINTFLOW_PIN_GRACE_S``) closes.
 """
 
 from __future__ import annotations
@@ -78,14 +80,26 @@ def _setup(real: dict[str, Any], cost_model: str, *, host: bool = False) -> Repl
                        host_capacity_tokens=(cfg.get("host_capacity_tokens") or 0) if host else 0)  # fmt: skip
 
 
-def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None) -> str:
+def _admission(aging_s: str) -> str:
+    """The vLLM node's admission guard (on by default; with a host tier since the commit after a902ceb): a new program
+    waits while the programs in flight fill the pool, at most as long as lost-context resumes wait
+    (``HINTFLOW_ADMIT_MAX_WAIT_S=auto``), the node's aging bound its floor."""
+    return (f"scheduler.admit_fraction=1.0,scheduler.admit_max_wait_s={aging_s},"
+            "scheduler.admit_wait_follows_lost=true")
+
+
+def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None, host_guard: bool = True) -> str:
     """The replay spec of a real mode; ``BASE+host`` is BASE's node with a host tier (named apart).
     ``pin_budget``: the one the real run gave every node (its report's ``config.pin_budget``; None: the
-    node's own default, by host tier)."""
+    node's own default, by host tier). ``host_guard``: whether the node ran its admission guard with a
+    host tier (off in reports before the commit after a902ceb)."""
     host = mode.endswith("+host")
     budget = pin_budget if pin_budget is not None else PIN_BUDGET_WITH_HOST if host else PIN_BUDGET
     base = mode.removesuffix("+host")
     spec = MIRRORS[base].replace(f"pin_budget={PIN_BUDGET}", f"pin_budget={budget}")
+    if "=" in spec and (host_guard or not host):  # a hintflow node: its admission guard
+        aging = spec.partition("scheduler.program_fcfs_aging_s=")[2].partition(",")[0]
+        spec += "," + _admission(aging)
     if not host:
         return spec
     if "=" in spec:
@@ -95,15 +109,44 @@ def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None
     return f"node.{mode}={spec}:{HOST[host_save]},retain_contexts=true"
 
 
-def _variant_mirror(name: str, variant: dict[str, Any], host_save: str, pin_budget: float | None) -> str:
+NODE_ENV = ("HINTFLOW_ADMIT_GUARD", "HINTFLOW_ADMIT_MAX_WAIT_S", "HINTFLOW_ADMIT_FRACTION",
+            "HINTFLOW_TTFT_DEADLINE_S", "HINTFLOW_PRIORITY_AGING_S")
+"""The node settings (``--variant NAME=MODE:env.KEY=V``) the replay's node has an equivalent of."""
+
+
+def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
+    """A variant's node settings, as the mirror's scheduler keys (see ``NODE_ENV``)."""
+    aging = env.get("HINTFLOW_PRIORITY_AGING_S")
+    if aging is not None:
+        keys["scheduler.program_fcfs_aging_s"] = aging
+    guard = env.get("HINTFLOW_ADMIT_GUARD")
+    if guard is not None:
+        for k in [k for k in keys if k.startswith("scheduler.admit_")]:
+            del keys[k]
+        if guard.lower() in ("1", "true", "yes", "on"):
+            keys.update(item.partition("=")[::2] for item in _admission(keys["scheduler.program_fcfs_aging_s"]).split(","))
+    wait = env.get("HINTFLOW_ADMIT_MAX_WAIT_S", "auto")
+    if wait.lower() != "auto" and "scheduler.admit_fraction" in keys:
+        keys["scheduler.admit_max_wait_s"], keys["scheduler.admit_wait_follows_lost"] = wait, "false"
+    if "HINTFLOW_ADMIT_FRACTION" in env and "scheduler.admit_fraction" in keys:
+        keys["scheduler.admit_fraction"] = env["HINTFLOW_ADMIT_FRACTION"]
+    deadline = env.get("HINTFLOW_TTFT_DEADLINE_S")
+    if deadline is not None and math.isfinite(float(deadline)):
+        keys["scheduler.ttft_deadline_s"] = deadline
+
+
+def _variant_mirror(
+    name: str, variant: dict[str, Any], host_save: str, pin_budget: float | None, host_guard: bool = True
+) -> str:
     """A ``--variant`` of a real mode (its report's ``config.variants``): the mode's mirror, named apart,
-    with the variant's policy options on top of the mirror's own."""
-    spec = _mirror(variant["mode"], host_save, pin_budget)
+    with the variant's policy options and node settings (``NODE_ENV``) on top of the mirror's own."""
+    spec = _mirror(variant["mode"], host_save, pin_budget, host_guard)
     if "=" not in spec:
         raise SystemExit(f"variant {name}: its mode {variant['mode']} pushes no policy to mirror")
     base, _, opts = spec.partition("=")[2].partition(":")
     keys = dict(item.split("=", 1) for item in opts.split(","))
     keys.update((f"policy.{k}", str(v).lower()) for k, v in variant["policy_options"].items())
+    _node_env(keys, variant.get("env") or {})
     return f"node.{name}={base}:" + ",".join(f"{k}={v}" for k, v in keys.items())
 
 
@@ -129,7 +172,7 @@ def _replay(setup: ReplaySetup, specs: list[str]) -> dict[str, dict[str, float]]
 
 
 def calibrate(
-    real: dict[str, Any], tmp: Path, *, host: bool = False, host_save: str = "evict"
+    real: dict[str, Any], tmp: Path, *, host: bool = False, host_save: str = "evict", host_guard: bool = True
 ) -> tuple[str, dict[str, float], float]:
     """The grid point whose replayed stock row is nearest the measured one (log error): ``vanilla``, or with
     ``host`` ``vanilla+host`` on a node with the report's host tier.
@@ -145,7 +188,9 @@ def calibrate(
     shares = [(m, row["node_prefill_share"]) for m, row in real["policies"].items()
               if m.endswith("+host") == host and m.removesuffix("+host") in MIRRORS and row.get("node_prefill_share")]
     share_mode, share = shares[0] if shares else (None, None)
-    specs = [_mirror(ref, host_save, budget)] + ([_mirror(share_mode, host_save, budget)] if share_mode else [])
+    specs = [_mirror(ref, host_save, budget)] + (
+        [_mirror(share_mode, host_save, budget, host_guard)] if share_mode else []
+    )
     best: tuple[float, str, dict[str, float]] | None = None
     for i, (b, d) in enumerate(itertools.product(PREFILL_S_PER_TOKEN, DECODE_STEP_S)):
         path = _profile(b, d, tmp / f"p{int(host)}-{i}.json")
@@ -171,16 +216,21 @@ def main() -> None:
     ap.add_argument("--node-prefill-share", action="append", default=[], metavar="MODE=SHARE",
                     help="a hintflow mode's prefill share of step time, as its node logged it (prefill_share=); "
                          "reports since 2026-12-04 carry it (node_prefill_share)")
+    ap.add_argument("--host-guard", choices=("on", "off"), default="on",
+                    help="whether the +host modes' nodes ran the admission guard: off for reports before the "
+                         "commit after a902ceb [on]")
     a = ap.parse_args()
+    host_guard = a.host_guard == "on"
     real = json.loads(a.real.read_text())
     for item in a.node_prefill_share:  # by hand, from the node's 10 s log line (reports before 2026-12-04)
         mode, _, value = item.partition("=")
         if mode not in real["policies"] or not value:
             raise SystemExit(f"--node-prefill-share {item!r}: expected MODE=SHARE with a mode of {a.real}")
         real["policies"][mode]["node_prefill_share"] = float(value)
-    variants = {name: v for name, v in real["config"].get("variants", {}).items() if not v.get("env")}
-    for name in set(real["config"].get("variants", {})) - set(variants):  # the replay has no node settings
-        print(f"{name}: a variant of the node's settings (env.*), not mirrored")
+    variants = {name: v for name, v in real["config"].get("variants", {}).items()
+                if set(v.get("env") or {}) <= set(NODE_ENV)}
+    for name in sorted(set(real["config"].get("variants", {})) - set(variants)):
+        print(f"{name}: a variant of node settings the replay has no equivalent of (env.*), not mirrored")
     modes = [m for m in real["policies"] if m.removesuffix("+host") in MIRRORS or m in variants]
     if not any(m in modes for m in ("vanilla", "vanilla+host")):
         raise SystemExit(f"{a.real}: no vanilla or vanilla+host row to calibrate on")
@@ -192,14 +242,15 @@ def main() -> None:
             group = [m for m in modes if m.endswith("+host") == host]
             if not group:
                 continue
-            path, fit, rms = calibrate(real, Path(tmp), host=host, host_save=a.host_save)
+            path, fit, rms = calibrate(real, Path(tmp), host=host, host_save=a.host_save, host_guard=host_guard)
             profile = json.loads(Path(path).read_text())
             fits[_reference(group[0])] = profile
             print(f"fitted to {_reference(group[0])}: prefill {profile['prefill_b_s_per_token']:.3g} s/token, "
                   f"decode step {profile['decode_base_s']} s (replayed {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s "
                   f"JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
-            specs = [_variant_mirror(m, variants[m], a.host_save, real["config"].get("pin_budget")) if m in variants
-                     else _mirror(m, a.host_save, real["config"].get("pin_budget")) for m in group]
+            budget = real["config"].get("pin_budget")
+            specs = [_variant_mirror(m, variants[m], a.host_save, budget, host_guard) if m in variants
+                     else _mirror(m, a.host_save, budget, host_guard) for m in group]
             got = _replay(_setup(real, path, host=host), specs)
             names = [s.partition("=")[0] if "=" in s else s for s in specs]
             pred.update({m: got[n] for m, n in zip(group, names, strict=True)})

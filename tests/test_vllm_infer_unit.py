@@ -253,26 +253,3 @@ def test_a_host_tier_that_gives_nothing_back_prices_pins_as_no_host_tier_would()
     inf.observe_host_reload(2000, 2000, 0)  # all on the device: says nothing about the host
     _turn(book, inf, "b", "r2", {"program_id": "b", "tool": "edit"})
     assert book.num_pinned_blocks == 4 and inf.inferred_pins == 1
-
-
-def test_auto_admission_holds_a_new_program_no_longer_than_lost_context_resumes_wait() -> None:
-    """``HINTFLOW_ADMIT_MAX_WAIT_S=auto``: the hold is the inference's T (the wait of returning turns whose
-    context was not kept), never under the configured floor; without inference, the floor alone."""
-    from types import SimpleNamespace
-
-    from engine_adapter.vllm_backend._admission import QueueRules
-
-    book, inf, _ = _setup()
-    s = book.session("p", "p")
-    inf.on_request(s, {"program_id": "p"})
-    inf.on_request(s, {"program_id": "p"})  # a second turn: a returning one
-    host = SimpleNamespace(admit_wait_follows_t=True, admit_max_wait_s=1.0, infer=inf)
-    assert QueueRules._admit_max_wait_s(host) == 1.0  # nothing measured yet: the floor
-    inf.on_admitted(s, 9.0, kept=False)
-    inf.on_admitted(s, 5.0, kept=False)
-    inf.on_admitted(s, 50.0, kept=True)  # a kept context's wait is not T's
-    assert QueueRules._admit_max_wait_s(host) == 7.0
-    host.admit_wait_follows_t = False
-    assert QueueRules._admit_max_wait_s(host) == 1.0
-    host.admit_wait_follows_t, host.infer = True, None
-    assert QueueRules._admit_max_wait_s(host) == 1.0

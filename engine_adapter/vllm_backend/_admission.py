@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from engine_adapter._pin_order import yield_order
-from engine_adapter._program_admission import ADMIT_HORIZON_S, admit_verdict
+from engine_adapter._program_admission import ADMIT_HORIZON_S, LostContextWait, admit_hold_s, admit_verdict
 
 from ._sessions import VSession, session_start
 
@@ -51,8 +51,8 @@ class QueueRules:
     ttft_deadline_s: float
     admit_fraction: float
     admit_max_wait_s: float
-    admit_wait_follows_t: bool
-    infer: Any
+    admit_wait_follows_lost: bool
+    lost_wait: LostContextWait
     admit_horizon_s: float
     admit_stats: dict[str, int]
     _admit_reason: dict[str, str]
@@ -166,15 +166,8 @@ class QueueRules:
                 elif now - s.last_active_s < self.admit_horizon_s:
                     need += len(s.snapshot)
         others = any(not self._is_new_program_turn(r) for r in self.waiting)
-        return [need, not self.running and not others, self._admit_max_wait_s()]
-
-    def _admit_max_wait_s(self) -> float:
-        """The longest a new program's first turn is held: ``admit_max_wait_s``, or with
-        ``HINTFLOW_ADMIT_MAX_WAIT_S=auto`` at least the wait of returning turns whose context was lost
-        (the inference's T), so a new program waits no longer than a returning one that lost its context."""
-        if self.admit_wait_follows_t and self.infer is not None:
-            return max(self.admit_max_wait_s, self.infer.rule.queue_delay_s)
-        return self.admit_max_wait_s
+        lost = self.lost_wait if self.admit_wait_follows_lost else None
+        return [need, not self.running and not others, admit_hold_s(self.admit_max_wait_s, lost)]
 
     def _handle_blocked_waiting_request(self, request: Any) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]  # vLLM's, via the MRO

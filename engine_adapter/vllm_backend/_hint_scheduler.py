@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import TypeAdapter, ValidationError
 
 from engine_adapter._engine_errors import FailedPrecondition
+from engine_adapter._program_admission import LostContextWait
 from engine_adapter._queue_place import queue_place
 from hints import OptionalProgramId, SessionId, new_node_epoch
 from predictors import HostHitShare, PrefillShare, UnpinnedSurvival
@@ -213,17 +214,17 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # new programs' first turns cannot starve under overload (inf: strict program FCFS).
         self.aging_s = float(os.environ.get("HINTFLOW_PRIORITY_AGING_S", str(AGING_S)))
         env_ = os.environ.get
-        guard_default = "0" if self.host_tier is not None else "1"
-        self.admit_guard = env_on("HINTFLOW_ADMIT_GUARD", guard_default)
+        self.admit_guard = env_on("HINTFLOW_ADMIT_GUARD", "1")
         self.admit_fraction = float(env_("HINTFLOW_ADMIT_FRACTION", "1.0"))
         default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
-        # auto (the default): a new program is held at most as long as returning turns whose context was
-        # lost wait (the inference's T), at least the aging bound. Against a fixed 1 s hold, three paired
+        # auto (the default): a new program is held at most as long as returning turns no pin kept a context
+        # for wait (LostContextWait, measured here), at least the aging bound. Against a fixed 1 s hold, three paired
         # rounds device-only: mean JCT 0.54-0.57x stock's against 0.52-0.67x, p99 TTFT 0.88-0.91x against
         # 0.84-1.27x (docs/benchmarks.md, "How long the admission guard holds a new program")
         max_wait = env_("HINTFLOW_ADMIT_MAX_WAIT_S", "auto").strip()
-        self.admit_wait_follows_t = max_wait.lower() == "auto"
-        self.admit_max_wait_s = default_wait if self.admit_wait_follows_t else float(max_wait)
+        self.admit_wait_follows_lost = max_wait.lower() == "auto"
+        self.admit_max_wait_s = default_wait if self.admit_wait_follows_lost else float(max_wait)
+        self.lost_wait = LostContextWait()  # waits of returning turns no pin kept a context for
         self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
         self.yield_pins = env_on("HINTFLOW_YIELD_PINS", "1")
         self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
@@ -409,6 +410,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 if why is not None:
                     self.admit_stats[why] += 1
                 kept = bool(s.held)
+                if req is not None and s.snapshot and not kept:  # a returning turn no pin kept a context for
+                    self.lost_wait.observe(max(0.0, time.time() - req.arrival_time))
                 self.book.on_admitted(s, new.req_id)
                 if self.infer is not None and req is not None:
                     self.infer.on_admitted(s, time.time() - req.arrival_time, kept)
@@ -447,10 +450,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         a = self.admit_stats
         log.info(
             "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d%s"
-            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d",
+            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d lost_wait=%.1fs",
             self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
             st.forced_unpins, st.yielded_pins, self.grace_holds, extra, len(self._started), a["held"], a["fit"],
-            a["idle"], a["aged"],
+            a["idle"], a["aged"], self.lost_wait.mean_s,
         )  # fmt: skip
 
     def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
