@@ -6,7 +6,8 @@ in grow into each other's memory turn after turn.  Measured in ``hintflow demo``
 blocks, contexts of 1,000-2,200 tokens): three to four programs a node shared the pool, each turn
 re-prefilled a tail about 130 tokens longer than the last, and the programs that arrived last waited 60 s
 for memory.  So a program new to the node starts only while the in-flight programs' contexts plus its
-prompt fit in ``fraction`` of the pool, unless the engine would otherwise idle (work conservation) or it
+prompt fit in ``fraction`` of the pool (device and host tier: a context the device evicts to the host
+is kept, not lost), unless the engine would otherwise idle (work conservation) or it
 has waited ``max_wait_s``, or with ``auto`` as long as returning turns that lost their context wait
 (:class:`LostContextWait`, :func:`admit_hold_s`).
 
@@ -15,6 +16,11 @@ Both engines ask :func:`admit_verdict`; each counts its in-flight programs from 
 a program is in flight while one of its sessions that has started here is running, queued, pinned, or was
 used within ``horizon_s`` (its tool is probably still running; it will want its context back), and it
 counts that session's whole context (a live turn's whole request), not what is still resident.
+
+Why the host tier counts: with every context fitting on the host, a guard against the device pool alone
+held new programs for nothing (1.01x against 0.94x stock's mean JCT with the guard off, real vLLM node);
+with a host tier of half the device pool, device and host counted gave 0.70x against 0.76x off
+(docs/benchmarks.md, "The admission guard with the host tier").
 
 What it trades: batching.  Where a step costs about its tokens (a CPU) a re-prefilled context costs as
 much as the concurrency it bought, and this rule wins; where more sequences in a step are nearly free (a

@@ -336,7 +336,7 @@ class Scheduler:
             return False
         need = -(-num_tokens // self.kv.block_size)
         why = admit_verdict(
-            cur.num_blocks, need, self.kv.device.num_blocks, fraction,
+            cur.num_blocks, need, self.kv.device.num_blocks + self.kv.host.num_blocks, fraction,
             idle=not self.running and not step.seqs,
             waited_s=now - req.arrival_s,
             max_wait_s=admit_hold_s(

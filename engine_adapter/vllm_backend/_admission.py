@@ -50,6 +50,7 @@ class QueueRules:
     policy: Any
     ttft_deadline_s: float
     admit_fraction: float
+    admit_pool_blocks: int
     admit_max_wait_s: float
     admit_wait_follows_lost: bool
     lost_wait: LostContextWait
@@ -177,7 +178,7 @@ class QueueRules:
             return True
         blocks = -(-request.num_tokens // self.block_size)
         why = admit_verdict(
-            st[0], blocks, self.book.num_blocks, self.admit_fraction,
+            st[0], blocks, self.admit_pool_blocks, self.admit_fraction,
             idle=st[1], waited_s=time.time() - request.arrival_time, max_wait_s=st[2],
         )  # fmt: skip
         if why is None:

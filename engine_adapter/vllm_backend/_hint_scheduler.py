@@ -216,6 +216,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         env_ = os.environ.get
         self.admit_guard = env_on("HINTFLOW_ADMIT_GUARD", "1")
         self.admit_fraction = float(env_("HINTFLOW_ADMIT_FRACTION", "1.0"))
+        # the pool the in-flight contexts must fit: the device's, and the host tier's (what the device
+        # evicts is kept there)
+        self.admit_pool_blocks = self.book.num_blocks + (self.host_tier.num_slots if self.host_tier is not None else 0)
         default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
         # auto (the default): a new program is held at most as long as returning turns no pin kept a context
         # for wait (LostContextWait, measured here), at least the aging bound. Against a fixed 1 s hold, three paired
