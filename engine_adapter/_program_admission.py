@@ -29,10 +29,10 @@ GPU decoding) it can cost throughput (docs/benchmarks.md has both).
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from predictors import LostContextWait
 
 from ._session import Session, SessionState
 
@@ -72,40 +72,16 @@ def admit_verdict(
     return None
 
 
-class LostContextWait:
-    """How long returning turns whose context no pin kept waited to be admitted: the mean of the last
-    ``window`` such waits (0 before the first).  Each node measures it itself, at admission.
-
-    Why it bounds a new program's hold (``auto``): that is the wait a request-FCFS scheduler gives every
-    turn at this load, so holding a new program as long keeps the programs in flight from growing into
-    each other's memory at the load peak without making first turns the tail.  Measured on the vLLM node,
-    device-only, three paired rounds: mean JCT 0.54-0.57x stock vLLM's and p99 TTFT 0.88-0.91x, against
-    0.52-0.67x and 0.84-1.27x with a fixed 1 s hold (docs/benchmarks.md, "How long the admission guard
-    holds a new program").
-    """
-
-    def __init__(self, window: int = 100) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self._waits_s: deque[float] = deque(maxlen=window)
-
-    def observe(self, wait_s: float) -> None:
-        if not (wait_s >= 0.0 and math.isfinite(wait_s)):
-            raise ValueError(f"wait_s must be finite and >= 0, got {wait_s}")
-        self._waits_s.append(float(wait_s))
-
-    @property
-    def num_waits(self) -> int:
-        return len(self._waits_s)
-
-    @property
-    def mean_s(self) -> float:
-        return math.fsum(self._waits_s) / len(self._waits_s) if self._waits_s else 0.0
-
-
 def admit_hold_s(max_wait_s: float | None, lost: LostContextWait | None) -> float | None:
     """The longest a new program's first turn is held: ``max_wait_s`` (None: until it fits or the engine
-    would idle), or with ``lost`` (``auto``) the mean wait of lost-context resumes, ``max_wait_s`` its floor."""
+    would idle), or with ``lost`` (``auto``) the mean wait of lost-context resumes, ``max_wait_s`` its floor.
+
+    Why ``auto``: the wait of a returning turn no pin kept a context for is the wait a request-FCFS
+    scheduler gives every turn at this load, so holding a new program as long keeps the programs in flight
+    from growing into each other's memory at the load peak without making first turns the tail.  Measured
+    on the vLLM node, device-only, three paired rounds: mean JCT 0.54-0.57x stock vLLM's and p99 TTFT
+    0.88-0.91x, against 0.52-0.67x and 0.84-1.27x with a fixed 1 s hold (docs/benchmarks.md, "How long
+    the admission guard holds a new program").  Each node measures its own waits, at admission."""
     if lost is None:
         return max_wait_s
     return max(max_wait_s or 0.0, lost.mean_s)

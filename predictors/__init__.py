@@ -9,6 +9,7 @@ docs/architecture.md, "Which package may import which".
 """
 
 from predictors._host_hit import HOST_HIT_DECAY, HostHitShare
+from predictors._lost_wait import LostContextWait
 from predictors._node_signals import PREFILL_SHARE_DECAY, PrefillShare, UnpinnedSurvival
 from predictors._pause_model import (
     EmpiricalDistribution,
@@ -27,6 +28,7 @@ __all__ = [
     "ExponentialDistribution",
     "HostHitShare",
     "HostTierTTL",
+    "LostContextWait",
     "PauseDistribution",
     "PauseModel",
     "PrefillShare",

@@ -44,12 +44,12 @@ finished, eta = 1.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from predictors._lost_wait import LostContextWait
 from predictors._pause_model import PauseDistribution, PauseModel
 
 __all__ = ["ContinuumTTL", "HostTierTTL", "continuum_tau"]
@@ -112,7 +112,7 @@ class ContinuumTTL:
         self.prefill_share = prefill_share
         self.unpinned_survival = unpinned_survival
         self.min_programs = min_programs
-        self._queue_delays_s: deque[float] = deque(maxlen=queue_window)
+        self._queue_delays = LostContextWait(queue_window)
         # Exact integer moments of the (k, r = N - k) pairs; Python ints never lose precision.
         self._num_programs = 0
         self._n = self._sk = self._sr = self._skk = self._srr = self._skr = 0
@@ -120,16 +120,14 @@ class ContinuumTTL:
     def learn_from(self, other: ContinuumTTL) -> None:
         """Take over what ``other`` has measured (T's window, eta's moments): a policy that switches rule
         (its nodes gained a host tier) keeps its estimates rather than starting cold."""
-        self._queue_delays_s = deque(other._queue_delays_s, maxlen=self._queue_delays_s.maxlen)
+        self._queue_delays = other._queue_delays.copy()
         self._num_programs = other._num_programs
         self._n, self._sk, self._sr = other._n, other._sk, other._sr
         self._skk, self._srr, self._skr = other._skk, other._srr, other._skr
 
     # ---- T: sliding mean queueing delay of requests whose context had been evicted ---------------------
     def observe_evicted_queue_delay(self, delay_s: float) -> None:
-        if not (delay_s >= 0.0 and math.isfinite(delay_s)):
-            raise ValueError(f"delay_s must be finite and >= 0, got {delay_s}")
-        self._queue_delays_s.append(float(delay_s))
+        self._queue_delays.observe(delay_s)
 
     @property
     def queue_delay_s(self) -> float:
@@ -137,8 +135,7 @@ class ContinuumTTL:
         when not counted."""
         if not self.count_queue_delay:
             return 0.0
-        q = self._queue_delays_s
-        t = math.fsum(q) / len(q) if q else 0.0
+        t = self._queue_delays.mean_s
         return max(t, self.queue_delay_floor_s()) if self.queue_delay_floor_s is not None else t
 
     # ---- eta: -Corr(k, N - k) over finished programs -------------------------------------------------

@@ -496,7 +496,7 @@ def test_auto_hold_is_the_mean_wait_of_lost_context_resumes_with_the_fixed_hold_
     assert lost.num_waits == 2 and admit_hold_s(None, lost) == 3.0
     assert admit_hold_s(1.0, None) == 1.0 and admit_hold_s(None, None) is None
     for bad in (-1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="wait_s"):
+        with pytest.raises(ValueError, match="wait"):
             lost.observe(bad)
     with pytest.raises(ValueError, match="window"):
         LostContextWait(window=0)
