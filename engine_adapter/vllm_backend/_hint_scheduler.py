@@ -61,10 +61,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import TypeAdapter, ValidationError
 
 from engine_adapter._engine_errors import FailedPrecondition
-from engine_adapter._program_admission import LostContextWait
 from engine_adapter._queue_place import queue_place
 from hints import OptionalProgramId, SessionId, new_node_epoch
-from predictors import HostHitShare, PrefillShare, UnpinnedSurvival
+from predictors import HostHitShare, LostContextWait, PrefillShare, UnpinnedSurvival
 
 from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, CLASS_SCALE, PRIORITY_SCALE, QueueRules
@@ -137,7 +136,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     HINTFLOW_PRIORITY_AGING_S (see AGING_S: the most head start an older program's turn gets; inf: strict
     program FCFS), HINTFLOW_ADMIT_GUARD (1), HINTFLOW_ADMIT_FRACTION (1.0: share of the pool the in-flight
     contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (auto: the
-    inference's T, at least the aging, else 1 s; a number: that many seconds),
+    node's lost-context wait, at least the aging, else 1 s; a number: that many seconds),
     HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
     HINTFLOW_YIELD_PINS (1: pins of younger programs yield to the queue's head), HINTFLOW_TTFT_DEADLINE_S
     (inf: a request waiting this long goes first), HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
@@ -413,11 +412,12 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 if why is not None:
                     self.admit_stats[why] += 1
                 kept = bool(s.held)
-                if req is not None and s.snapshot and not kept:  # a returning turn no pin kept a context for
-                    self.lost_wait.observe(max(0.0, time.time() - req.arrival_time))
+                wait_s = time.time() - req.arrival_time if req is not None else None
+                if wait_s is not None and s.snapshot and not kept:  # a returning turn no pin kept a context for
+                    self.lost_wait.observe(max(0.0, wait_s))
                 self.book.on_admitted(s, new.req_id)
-                if self.infer is not None and req is not None:
-                    self.infer.on_admitted(s, time.time() - req.arrival_time, kept)
+                if self.infer is not None and wait_s is not None:
+                    self.infer.on_admitted(s, wait_s, kept)
             for rid in out.scheduled_cached_reqs.resumed_req_ids:  # preempted earlier, running again
                 s = self._req_session.get(rid)
                 if s is not None:
