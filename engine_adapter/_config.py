@@ -54,7 +54,6 @@ class SchedulerSettings(_Section):
     yield_pins_to_older: bool = False
     admit_fraction: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     admit_max_wait_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
-    admit_wait_follows_lost: bool = False
     admit_horizon_s: float = Field(default=5.0, ge=0.0, allow_inf_nan=False)
     resumes_are_warm: bool = False
 

@@ -8,8 +8,15 @@ re-prefilled a tail about 130 tokens longer than the last, and the programs that
 for memory.  So a program new to the node starts only while the in-flight programs' contexts plus its
 prompt fit in ``fraction`` of the pool (device and host tier: a context the device evicts to the host
 is kept, not lost), unless the engine would otherwise idle (work conservation) or it
-has waited ``max_wait_s``, or with ``auto`` as long as returning turns that lost their context wait
-(:class:`LostContextWait`, :func:`admit_hold_s`).
+has waited ``max_wait_s`` (the node's program-FCFS aging bound by default).
+
+How long the hold is matters less than it seems: a first turn waits in the queue too, behind pinned turns
+and (up to the aging bound) older programs' ones, and the guard sees it only when the queue reaches it.
+On the real vLLM node (trace B, every mode) the guard held first turns only in the first 10-20 s of a run;
+after that every first turn it admitted had already waited longer than the hold. A hold that followed the
+wait of returning turns that lost their context (``auto``, 04a0853 to the commit after 37dfb12) was the
+1 s floor whenever it held anything, so it came out (docs/benchmarks.md, "How long the admission guard
+holds a new program").
 
 Both engines ask :func:`admit_verdict`; each counts its in-flight programs from its own session book
 (:func:`working_set` for the embedded node, ``vllm_backend/_admission.py`` for vLLM) by the same rule:
@@ -32,16 +39,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from predictors import LostContextWait
-
 from ._session import Session, SessionState
 
 __all__ = [
     "ADMIT_HORIZON_S",
     "AdmitReason",
     "InFlight",
-    "LostContextWait",
-    "admit_hold_s",
     "admit_verdict",
     "working_set",
 ]
@@ -70,21 +73,6 @@ def admit_verdict(
     if max_wait_s is not None and waited_s >= max_wait_s:
         return "aged"
     return None
-
-
-def admit_hold_s(max_wait_s: float | None, lost: LostContextWait | None) -> float | None:
-    """The longest a new program's first turn is held: ``max_wait_s`` (None: until it fits or the engine
-    would idle), or with ``lost`` (``auto``) the mean wait of lost-context resumes, ``max_wait_s`` its floor.
-
-    Why ``auto``: the wait of a returning turn no pin kept a context for is the wait a request-FCFS
-    scheduler gives every turn at this load, so holding a new program as long keeps the programs in flight
-    from growing into each other's memory at the load peak without making first turns the tail.  Measured
-    on the vLLM node, device-only, three paired rounds: mean JCT 0.54-0.57x stock vLLM's and p99 TTFT
-    0.88-0.91x, against 0.52-0.67x and 0.84-1.27x with a fixed 1 s hold (docs/benchmarks.md, "How long
-    the admission guard holds a new program").  Each node measures its own waits, at admission."""
-    if lost is None:
-        return max_wait_s
-    return max(max_wait_s or 0.0, lost.mean_s)
 
 
 @dataclass(frozen=True)

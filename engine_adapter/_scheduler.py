@@ -32,8 +32,6 @@ from ._kv_manager import KVCacheManager
 from ._program_admission import (
     ADMIT_HORIZON_S,
     InFlight,
-    LostContextWait,
-    admit_hold_s,
     admit_verdict,
     working_set,
 )
@@ -90,9 +88,6 @@ class SchedulerConfig:
     # has waited ``admit_max_wait_s``.  None: off, a new program takes its blocks from the parked contexts.
     admit_fraction: float | None = None
     admit_max_wait_s: float | None = None
-    # ``auto`` (the vLLM node's ``HINTFLOW_ADMIT_MAX_WAIT_S=auto``): held at most as long as returning turns
-    # whose context no pin kept waited to be admitted here (``LostContextWait``), ``admit_max_wait_s`` a floor.
-    admit_wait_follows_lost: bool = False
     admit_horizon_s: float = ADMIT_HORIZON_S
     # A turn of a session this node has served counts as warm even when it must recompute an evicted
     # tail: the cold cap is for new prompts, and a resume throttled behind them stalls a program mid-run.
@@ -113,7 +108,6 @@ class Scheduler:
         # program admission: checks that held a first turn back, and first turns it let in, by why
         # (``hintflow_admission_holds_total``, ``hintflow_admissions_total``)
         self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
-        self.lost_wait = LostContextWait()  # waits of returning turns no pin kept a context for
         self._seq = itertools.count()
         self._resort = False
 
@@ -298,8 +292,6 @@ class Scheduler:
             req._plan_memo.release()  # out of the queue: no more plans (and off the pool's watch lists)
             if not req.admitted and s.pinned_blocks == 0:  # what the device kept of a context no pin held
                 self.kv.unpinned_survival.observe(req.num_history_tokens, plan.num_cached_tokens)
-                if s.num_turns:  # a returning turn: how long it waited (program admission's auto hold)
-                    self.lost_wait.observe(max(0.0, self.clock.now() - req.arrival_s))
             self.kv.consume_pin(s)
             if req.admit_reason is not None:
                 self.admit_stats[req.admit_reason] += 1
@@ -339,9 +331,7 @@ class Scheduler:
             cur.num_blocks, need, self.kv.device.num_blocks + self.kv.host.num_blocks, fraction,
             idle=not self.running and not step.seqs,
             waited_s=now - req.arrival_s,
-            max_wait_s=admit_hold_s(
-                self.config.admit_max_wait_s, self.lost_wait if self.config.admit_wait_follows_lost else None
-            ),
+            max_wait_s=self.config.admit_max_wait_s,
         )  # fmt: skip
         if why is None:
             self.admit_stats["held"] += 1

@@ -82,10 +82,9 @@ def _setup(real: dict[str, Any], cost_model: str, *, host: bool = False) -> Repl
 
 def _admission(aging_s: str) -> str:
     """The vLLM node's admission guard (on by default; with a host tier since the commit after a902ceb): a new program
-    waits while the programs in flight fill the pool, at most as long as lost-context resumes wait
-    (``HINTFLOW_ADMIT_MAX_WAIT_S=auto``), the node's aging bound its floor."""
-    return (f"scheduler.admit_fraction=1.0,scheduler.admit_max_wait_s={aging_s},"
-            "scheduler.admit_wait_follows_lost=true")
+    waits while the programs in flight fill the pool, at most the node's aging bound (``HINTFLOW_ADMIT_MAX_WAIT_S``;
+    from 04a0853 until it was taken out, ``auto``, whose hold was that bound whenever it held)."""
+    return f"scheduler.admit_fraction=1.0,scheduler.admit_max_wait_s={aging_s}"
 
 
 def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None, host_guard: bool = True) -> str:
@@ -125,9 +124,9 @@ def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
             del keys[k]
         if guard.lower() in ("1", "true", "yes", "on"):
             keys.update(item.partition("=")[::2] for item in _admission(keys["scheduler.program_fcfs_aging_s"]).split(","))
-    wait = env.get("HINTFLOW_ADMIT_MAX_WAIT_S", "auto")
+    wait = env.get("HINTFLOW_ADMIT_MAX_WAIT_S", "auto")  # (auto in reports before its removal: the aging bound)
     if wait.lower() != "auto" and "scheduler.admit_fraction" in keys:
-        keys["scheduler.admit_max_wait_s"], keys["scheduler.admit_wait_follows_lost"] = wait, "false"
+        keys["scheduler.admit_max_wait_s"] = wait
     if "HINTFLOW_ADMIT_FRACTION" in env and "scheduler.admit_fraction" in keys:
         keys["scheduler.admit_fraction"] = env["HINTFLOW_ADMIT_FRACTION"]
     deadline = env.get("HINTFLOW_TTFT_DEADLINE_S")

@@ -24,6 +24,7 @@ from orchestrator import (
     shared_prefix_steps,
     steps_to_execution,
 )
+from predictors import LostContextWait
 
 durations = st.floats(min_value=0.0, max_value=1e4, allow_nan=False, allow_infinity=False)
 
@@ -33,6 +34,23 @@ def heavy_tailed_samples(n: int = 2000, seed: int = 7) -> np.ndarray:
     sigma = math.sqrt(math.log(1.0 + (3.5 / 0.9) ** 2))
     mu = math.log(0.9) - sigma**2 / 2
     return np.random.default_rng(seed).lognormal(mu, sigma, n)
+
+
+def test_lost_context_wait_is_a_sliding_mean_that_rejects_bad_waits() -> None:
+    """Continuum's T (``ContinuumTTL.queue_delay_s``) is this mean over its window."""
+    lost = LostContextWait(window=2)
+    assert lost.num_waits == 0 and lost.mean_s == 0.0  # nothing measured yet
+    lost.observe(9.0)
+    lost.observe(5.0)
+    assert lost.mean_s == 7.0
+    snapshot = lost.copy()
+    lost.observe(1.0)  # the oldest leaves the window
+    assert lost.num_waits == 2 and lost.mean_s == 3.0 and snapshot.mean_s == 7.0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="wait"):
+            lost.observe(bad)
+    with pytest.raises(ValueError, match="window"):
+        LostContextWait(window=0)
 
 
 # ---- empirical distribution ------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from engine_adapter import (
     VirtualClock,
     make_torch_executor,
 )
-from engine_adapter._program_admission import LostContextWait, admit_hold_s
 from hints import Pin, Priority, Release
 
 
@@ -479,57 +478,6 @@ def test_program_admission_is_work_conserving_and_forgets_idle_programs() -> Non
     core.step()
     core.step()
     assert c.first_token_s is not None
-    core.run_until_idle()
-    core.check_invariants()
-
-
-def test_auto_hold_is_the_mean_wait_of_lost_context_resumes_with_the_fixed_hold_its_floor() -> None:
-    """``auto`` (both engines): a new program is held at most as long as returning turns no pin kept a
-    context for waited, on average over the last ``window``; the fixed hold is a floor; without ``auto``,
-    the fixed hold (None: until it fits or the engine would idle)."""
-    lost = LostContextWait(window=2)
-    assert admit_hold_s(1.0, lost) == 1.0 and admit_hold_s(None, lost) == 0.0  # nothing measured yet
-    lost.observe(9.0)
-    lost.observe(5.0)
-    assert admit_hold_s(1.0, lost) == 7.0 and admit_hold_s(8.0, lost) == 8.0
-    lost.observe(1.0)  # the oldest leaves the window
-    assert lost.num_waits == 2 and admit_hold_s(None, lost) == 3.0
-    assert admit_hold_s(1.0, None) == 1.0 and admit_hold_s(None, None) is None
-    for bad in (-1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="wait"):
-            lost.observe(bad)
-    with pytest.raises(ValueError, match="window"):
-        LostContextWait(window=0)
-
-
-def test_auto_holds_a_new_program_as_long_as_resumes_that_lost_their_context_waited() -> None:
-    # "pa"'s session "a" (15 of 24 blocks, parked, unpinned) comes back and waits 3 s for memory behind a
-    # long turn that took its blocks: the node's lost-context wait is 3 s.  "pb"'s first turn (13 blocks) then
-    # does not fit beside "pa": with auto and a 0.5 s floor it is held about 3 s, not 0.5 s.
-    core, rng = _admission_node(1.0)
-    sched = core.scheduler
-    sched.config.admit_max_wait_s, sched.config.admit_wait_follows_lost = 0.5, True
-    clock = core.clock
-    assert isinstance(clock, VirtualClock)
-    a_prompt = core.kv.sessions["a"].token_ids[:240]
-    assert sched.lost_wait.num_waits == 0
-    hog = core.submit(rand_tokens(rng, 300), 40, session_id="hog", program_id="pa")  # (pa's: never held)
-    core.step()
-    core.submit([*a_prompt, *rand_tokens(rng, 4)], 1, session_id="a", program_id="pa")
-    clock.advance_to(clock.now() + 3.0)
-    core.run_until_idle()
-    assert hog.output and sched.lost_wait.num_waits == 1 and sched.lost_wait.mean_s >= 3.0
-    core.submit(rand_tokens(rng, 20), 100, session_id="plain", program_id="plain")
-    core.step()
-    assert core.apply_hints([Priority(session_id="b", program_id="pb", program_age_s=0.0)])[0].ok
-    b = core.submit(rand_tokens(rng, 200), 1, session_id="b", program_id="pb")
-    core.step()
-    clock.advance_to(clock.now() + 1.0)  # past the floor: still held
-    core.step()
-    assert b.first_scheduled_s is None and sched.admit_stats["held"] == 2
-    clock.advance_to(clock.now() + 2.5)  # past the lost-context wait (and inside the 5 s horizon)
-    core.step()
-    assert b.first_scheduled_s is not None and sched.admit_stats["aged"] == 1
     core.run_until_idle()
     core.check_invariants()
 

@@ -149,7 +149,6 @@ def _pin_and_flood(model: str, depth: int) -> dict[str, Any]:
     report: dict[str, Any] = {
         "class": type(sched).__name__, "pinned": pinned, "hit_a": engine.hits[ra.request_id],
         "hit_b": engine.hits[rb.request_id], "admitted_fit": sched.admit_stats["fit"],
-        "lost_waits": sched.lost_wait.num_waits,
     }  # fmt: skip
     for i in range(3):
         engine.run(request(_prompt(20 + i, 6 * BS + 2), f"g{i}"))
@@ -245,7 +244,6 @@ def test_a_pinned_session_survives_a_flood_with_steps_in_flight(report: dict[str
     assert r["hit_b"] == 0  # vLLM's default: the unpinned paused context is gone
     assert r["hit_a"] == 5 * BS  # pinned: it survived
     assert r["admitted_fit"] > 0  # _handle_blocked_waiting_request reached from vLLM's schedule()
-    assert r["lost_waits"] == 1  # B's return, unpinned, is a wait the auto hold follows; A's, pinned, is not
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

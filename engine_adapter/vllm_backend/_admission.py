@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from engine_adapter._pin_order import yield_order
-from engine_adapter._program_admission import ADMIT_HORIZON_S, LostContextWait, admit_hold_s, admit_verdict
+from engine_adapter._program_admission import ADMIT_HORIZON_S, admit_verdict
 
 from ._sessions import VSession, session_start
 
@@ -52,8 +52,6 @@ class QueueRules:
     admit_fraction: float
     admit_pool_blocks: int
     admit_max_wait_s: float
-    admit_wait_follows_lost: bool
-    lost_wait: LostContextWait
     admit_horizon_s: float
     admit_stats: dict[str, int]
     _admit_reason: dict[str, str]
@@ -143,8 +141,7 @@ class QueueRules:
         )
 
     def _admission_state(self) -> list[Any]:
-        """[blocks the in-flight programs' contexts need, whether the engine would idle without new programs,
-        the longest a new program's first turn is held this step].
+        """[blocks the in-flight programs' contexts need, whether the engine would idle without new programs].
 
         In flight: programs with an admitted turn that are still known to the book. Each session counts
         its live requests' full length, else its pinned blocks, else (parked, unpinned, active within
@@ -167,8 +164,7 @@ class QueueRules:
                 elif now - s.last_active_s < self.admit_horizon_s:
                     need += len(s.snapshot)
         others = any(not self._is_new_program_turn(r) for r in self.waiting)
-        lost = self.lost_wait if self.admit_wait_follows_lost else None
-        return [need, not self.running and not others, admit_hold_s(self.admit_max_wait_s, lost)]
+        return [need, not self.running and not others]
 
     def _handle_blocked_waiting_request(self, request: Any) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]  # vLLM's, via the MRO
@@ -179,7 +175,7 @@ class QueueRules:
         blocks = -(-request.num_tokens // self.block_size)
         why = admit_verdict(
             st[0], blocks, self.admit_pool_blocks, self.admit_fraction,
-            idle=st[1], waited_s=time.time() - request.arrival_time, max_wait_s=st[2],
+            idle=st[1], waited_s=time.time() - request.arrival_time, max_wait_s=self.admit_max_wait_s,
         )  # fmt: skip
         if why is None:
             self.admit_stats["held"] += 1

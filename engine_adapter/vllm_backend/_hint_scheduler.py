@@ -63,7 +63,7 @@ from pydantic import TypeAdapter, ValidationError
 from engine_adapter._engine_errors import FailedPrecondition
 from engine_adapter._queue_place import queue_place
 from hints import OptionalProgramId, SessionId, new_node_epoch
-from predictors import HostHitShare, LostContextWait, PrefillShare, UnpinnedSurvival
+from predictors import HostHitShare, PrefillShare, UnpinnedSurvival
 
 from ._accounting import RequestAccounting
 from ._admission import ADMIT_HORIZON_S, CLASS_SCALE, PRIORITY_SCALE, QueueRules
@@ -135,8 +135,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_SILENT_S (30),
     HINTFLOW_PRIORITY_AGING_S (see AGING_S: the most head start an older program's turn gets; inf: strict
     program FCFS), HINTFLOW_ADMIT_GUARD (1), HINTFLOW_ADMIT_FRACTION (1.0: share of the pool the in-flight
-    contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (auto: the
-    node's lost-context wait, at least the aging, else 1 s; a number: that many seconds),
+    contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (the aging,
+    else 1 s: a held first turn starts once it has waited this long, queue time included),
     HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
     HINTFLOW_YIELD_PINS (1: pins of younger programs yield to the queue's head), HINTFLOW_TTFT_DEADLINE_S
     (inf: a request waiting this long goes first), HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
@@ -219,14 +219,11 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # evicts is kept there)
         self.admit_pool_blocks = self.book.num_blocks + (self.host_tier.num_slots if self.host_tier is not None else 0)
         default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
-        # auto (the default): a new program is held at most as long as returning turns no pin kept a context
-        # for wait (LostContextWait, measured here), at least the aging bound. Against a fixed 1 s hold, three paired
-        # rounds device-only: mean JCT 0.54-0.57x stock's against 0.52-0.67x, p99 TTFT 0.88-0.91x against
-        # 0.84-1.27x (docs/benchmarks.md, "How long the admission guard holds a new program")
-        max_wait = env_("HINTFLOW_ADMIT_MAX_WAIT_S", "auto").strip()
-        self.admit_wait_follows_lost = max_wait.lower() == "auto"
-        self.admit_max_wait_s = default_wait if self.admit_wait_follows_lost else float(max_wait)
-        self.lost_wait = LostContextWait()  # waits of returning turns no pin kept a context for
+        raw_wait = env_("HINTFLOW_ADMIT_MAX_WAIT_S", str(default_wait))
+        try:
+            self.admit_max_wait_s = float(raw_wait)
+        except ValueError:  # ("auto" was a setting until it proved to be the aging bound: docs/vllm-backend.md)
+            raise ValueError(f"HINTFLOW_ADMIT_MAX_WAIT_S must be a number of seconds, got {raw_wait!r}") from None
         self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
         self.yield_pins = env_on("HINTFLOW_YIELD_PINS", "1")
         self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
@@ -236,7 +233,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.grace_holds = 0
         self._overdue: set[str] = set()  # waiting requests already moved to the front (deadline passed)
         self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)
-        self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle, hold] for this step
+        self._admit: list[Any] | None = None  # [in-flight blocks, engine would idle] for this step
         self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
         # request id -> why admission last let it through; counted once vLLM schedules it (memory may
         # still keep it waiting, and each step would otherwise count it again)
@@ -413,8 +410,6 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     self.admit_stats[why] += 1
                 kept = bool(s.held)
                 wait_s = time.time() - req.arrival_time if req is not None else None
-                if wait_s is not None and s.snapshot and not kept:  # a returning turn no pin kept a context for
-                    self.lost_wait.observe(max(0.0, wait_s))
                 self.book.on_admitted(s, new.req_id)
                 if self.infer is not None and wait_s is not None:
                     self.infer.on_admitted(s, wait_s, kept)
@@ -453,10 +448,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         a = self.admit_stats
         log.info(
             "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d%s"
-            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d lost_wait=%.1fs",
+            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d",
             self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
             st.forced_unpins, st.yielded_pins, self.grace_holds, extra, len(self._started), a["held"], a["fit"],
-            a["idle"], a["aged"], self.lost_wait.mean_s,
+            a["idle"], a["aged"],
         )  # fmt: skip
 
     def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
