@@ -34,7 +34,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import Worker
 
-from hints import EngineClient, Pin, Priority, Release
+from hints import CacheState, EngineClient, HintAck, HintResult, Pin, Priority, Release
 from orchestrator import PauseModel, ProgramEnded, ToolEnded, TurnEnded, TurnStarted
 from tests.polling import free_port
 from tests.review_workflows import (
@@ -529,6 +529,37 @@ def test_a_policy_returning_garbage_never_raises() -> None:
     rt.tool_started("p", "s", "bash")
     rt.publish(rt.core.tick(time.monotonic()))
     assert rec.hints == [] and rt.core.num_policy_errors >= 1
+
+
+def test_an_unpin_acked_by_a_new_life_leaves_a_pin_lost_with_the_old_one_expired() -> None:
+    """The policy's unpin of a session whose pin went with a restarted node, acknowledged by the node's next
+    life, must not make the resume count no pin at all: the pin was lost, not released."""
+    addr = "127.0.0.1:1"
+    rt, _ = _runtime()
+
+    def life(epoch: int) -> None:
+        state = CacheState(
+            node_id="n", model_name="m", block_size=16, total_blocks=100, free_blocks=100, pinned_blocks=0,
+            host_total_blocks=0, host_free_blocks=0, num_waiting=0, num_running=0, prefill_backlog_tokens=0,
+            sessions=[], version=1, node_epoch=epoch,
+        )  # fmt: skip
+        rt.router.update(addr, state, now_s=time.monotonic())
+
+    def ack(hint: Pin, epoch: int, pinned_blocks: int) -> None:
+        rt._on_ack([hint], HintAck(batch_id=1, results=[HintResult(index=0, pinned_blocks=pinned_blocks)],
+                                   node_epoch=epoch), node=addr)  # fmt: skip
+
+    for sid, restart in (("lost", True), ("released", False)):
+        rt.turn_started("p", sid, 100)
+        rt.turn_ended("p", sid, 120)
+        life(1)
+        ack(Pin(session_id=sid, ttl_s=600.0), 1, 8)
+        if restart:
+            life(2)
+        ack(Pin(session_id=sid, ttl_s=0.0), 2 if restart else 1, 0)
+        rt.turn_started("p", sid, 130)
+    assert rt.pin_outcomes["lost"] == ["none", "expired"]
+    assert rt.pin_outcomes["released"] == ["none", "none"]  # an unpin of a live pin ends it: no pin held
 
 
 # ---- G: a failed attempt is not a turn ------------------------------------------------------------------

@@ -670,7 +670,10 @@ class HintRuntime:
             if s is None:
                 continue
             if h.ttl_s == 0.0:
-                s.pin_deadline_s, s.pin_node = None, None
+                # An unpin ends a live pin; a pin that already went with its node's life stays lost (its
+                # resume counts it expired), even when the node's next life acknowledges the unpin.
+                if not self._pin_lost(s):
+                    s.pin_deadline_s, s.pin_node = None, None
             elif r.holds:  # (an OK pin on a context already gone holds nothing: not counted)
                 self._program(s.program_id).pins_placed += 1
                 s.pin_deadline_s = sent_deadline
