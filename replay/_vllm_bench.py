@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--pool-fraction", type=float, default=1 / 3)
     ap.add_argument("--num-blocks", type=int, default=0, help="KV blocks (default: from --pool-fraction)")
     ap.add_argument("--pin-budget", type=float, default=None,
-                    help="share of the pool pins may hold (default: the node's, 0.7 without a host tier, 0.5 with)")
+                    help="share of the pool pins may hold (default: the node's, 0.9 without a host tier, 0.5 with)")
     ap.add_argument("--host-capacity-tokens", type=int, default=0,
                     help="host KV tier of modes named MODE+host (default: every program's longest context)")
     ap.add_argument("--aging-s", type=float, default=None, help="HINTFLOW_PRIORITY_AGING_S for hintflow modes")

@@ -109,12 +109,14 @@ def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None
 
 
 NODE_ENV = ("HINTFLOW_ADMIT_GUARD", "HINTFLOW_ADMIT_MAX_WAIT_S", "HINTFLOW_ADMIT_FRACTION",
-            "HINTFLOW_TTFT_DEADLINE_S", "HINTFLOW_PRIORITY_AGING_S")
+            "HINTFLOW_TTFT_DEADLINE_S", "HINTFLOW_PRIORITY_AGING_S", "HINTFLOW_PIN_BUDGET")
 """The node settings (``--variant NAME=MODE:env.KEY=V``) the replay's node has an equivalent of."""
 
 
 def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
     """A variant's node settings, as the mirror's scheduler keys (see ``NODE_ENV``)."""
+    if "HINTFLOW_PIN_BUDGET" in env:
+        keys["pin_budget"] = env["HINTFLOW_PIN_BUDGET"]
     aging = env.get("HINTFLOW_PRIORITY_AGING_S")
     if aging is not None:
         keys["scheduler.program_fcfs_aging_s"] = aging
@@ -215,6 +217,9 @@ def main() -> None:
     ap.add_argument("--node-prefill-share", action="append", default=[], metavar="MODE=SHARE",
                     help="a hintflow mode's prefill share of step time, as its node logged it (prefill_share=); "
                          "reports since 2026-12-04 carry it (node_prefill_share)")
+    ap.add_argument("--device-pin-budget", type=float, default=PIN_BUDGET,
+                    help="the node's pin budget without a host tier when the report ran, unless its config names "
+                         f"one: 0.7 for reports before the commit after aa462ab [{PIN_BUDGET}]")
     ap.add_argument("--host-guard", choices=("on", "off"), default="on",
                     help="whether the +host modes' nodes ran the admission guard: off for reports before the "
                          "commit after a902ceb [on]")
@@ -248,6 +253,8 @@ def main() -> None:
                   f"decode step {profile['decode_base_s']} s (replayed {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s "
                   f"JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
             budget = real["config"].get("pin_budget")
+            if budget is None and not host:
+                budget = a.device_pin_budget
             specs = [_variant_mirror(m, variants[m], a.host_save, budget, host_guard) if m in variants
                      else _mirror(m, a.host_save, budget, host_guard) for m in group]
             got = _replay(_setup(real, path, host=host), specs)

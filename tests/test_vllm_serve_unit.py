@@ -51,7 +51,7 @@ def test_cli_passes_metrics_port_to_serve_vllm(monkeypatch: pytest.MonkeyPatch, 
 def test_the_pin_budget_follows_the_host_tier_unless_set() -> None:
     from engine_adapter.vllm_backend._hint_scheduler import PIN_BUDGET, PIN_BUDGET_WITH_HOST, pin_budget
 
-    assert pin_budget(None, host_tier=False) == PIN_BUDGET == 0.7
+    assert pin_budget(None, host_tier=False) == PIN_BUDGET == 0.9
     assert pin_budget("", host_tier=True) == PIN_BUDGET_WITH_HOST == 0.5
     assert pin_budget("0.6", host_tier=True) == pin_budget(" 0.6 ", host_tier=False) == 0.6
     for bad in ("1", "-0.1", "half", "nan"):

@@ -96,13 +96,13 @@ AGING_S = 1.0
 first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
 for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, six pairs on two traces: p99 TTFT
 9-32% lower in five, the same in one; mean JCT within 5% or 13-19% lower (docs/benchmarks.md)."""
-PIN_BUDGET = 0.7
+PIN_BUDGET = 0.9
 """Default share of the pool pins may hold on a node with no host tier. 0.5 held ~4 of ~30 live contexts
-under overload; with the admission guard limiting how many programs are in flight, and the yield and
-deadlock rules returning pinned blocks whenever an older turn or any progress needs them, more of the
-pool can bridge pauses. (0.9 did better still on the agent benchmark's trace, 3-4% mean JCT over three
-paired rounds, but in the replay it cost an overloaded multi-agent workload 8-18%: docs/benchmarks.md,
-"The pin budget".)"""
+under overload; with the yield and deadlock rules returning pinned blocks whenever an older turn or any
+progress needs them, more of the pool can bridge pauses. Against 0.7 (the default until the commit after
+aa462ab), six paired rounds in two sittings on the agent benchmark's trace: mean JCT 3-14%, p90 JCT
+5-15% and p99 TTFT 1-13% lower in every round (docs/benchmarks.md, "The pin budget"). The embedded
+node keeps 0.5: in the replay 0.9 cost an overloaded multi-agent workload 8-18%."""
 PIN_BUDGET_WITH_HOST = 0.5
 """Default share with hintflow's host tier: a context let go is copied back from the host, not re-prefilled,
 so a pin saves less and the room serves waiting turns. Against 0.7, three paired rounds on the agent
