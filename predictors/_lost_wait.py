@@ -1,8 +1,8 @@
 """How long turns whose context was not kept waited to be admitted: a sliding mean.
 
-Continuum's T (``ContinuumTTL.queue_delay_s``, the queueing a pin saves an evicted turn) and program
-admission's ``auto`` hold (``engine_adapter/_program_admission.py``: a new program waits no longer than a
-returning one that lost its context) are both this measure, each over its own window of observations.
+Continuum's T (``ContinuumTTL.queue_delay_s``, the queueing a pin saves an evicted turn) is this measure.
+(Program admission's ``auto`` hold followed it too until it proved to be the 1 s hold on the real node:
+``engine_adapter/_program_admission.py``.)
 """
 
 from __future__ import annotations
