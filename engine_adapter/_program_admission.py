@@ -14,7 +14,7 @@ How long the hold is matters less than it seems: a first turn waits in the queue
 and (up to the aging bound) older programs' ones, and the guard sees it only when the queue reaches it.
 On the real vLLM node (trace B, every mode) the guard held first turns only in the first 10-20 s of a run;
 after that every first turn it admitted had already waited longer than the hold. A hold that followed the
-wait of returning turns that lost their context (``auto``, 04a0853 to the commit after 37dfb12) was the
+wait of returning turns that lost their context (``auto``, c61d9a8 to 651a2f6) was the
 1 s floor whenever it held anything, so it came out (docs/benchmarks.md, "How long the admission guard
 holds a new program").
 

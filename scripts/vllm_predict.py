@@ -219,7 +219,7 @@ def main() -> None:
                          "reports since 2026-12-04 carry it (node_prefill_share)")
     ap.add_argument("--device-pin-budget", type=float, default=PIN_BUDGET,
                     help="the node's pin budget without a host tier when the report ran, unless its config names "
-                         f"one: 0.7 for reports before the commit after aa462ab [{PIN_BUDGET}]")
+                         f"one: 0.7 for reports before cbd7738 [{PIN_BUDGET}]")
     ap.add_argument("--host-guard", choices=("on", "off"), default="on",
                     help="whether the +host modes' nodes ran the admission guard: off for reports before the "
                          "commit after a902ceb [on]")
