@@ -99,8 +99,8 @@ for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, six pairs 
 PIN_BUDGET = 0.9
 """Default share of the pool pins may hold on a node with no host tier. 0.5 held ~4 of ~30 live contexts
 under overload; with the yield and deadlock rules returning pinned blocks whenever an older turn or any
-progress needs them, more of the pool can bridge pauses. Against 0.7 (the default until the commit after
-aa462ab), six paired rounds in two sittings on the agent benchmark's trace: mean JCT 3-14%, p90 JCT
+progress needs them, more of the pool can bridge pauses. Against 0.7 (the default until
+cbd7738), six paired rounds in two sittings on the agent benchmark's trace: mean JCT 3-14%, p90 JCT
 5-15% and p99 TTFT 1-13% lower in every round (docs/benchmarks.md, "The pin budget"). The embedded
 node keeps 0.5: in the replay 0.9 cost an overloaded multi-agent workload 8-18%."""
 PIN_BUDGET_WITH_HOST = 0.5
