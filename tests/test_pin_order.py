@@ -9,7 +9,9 @@ then C's, and never A's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
+
+import pytest
 
 from engine_adapter import KVCacheManager, VirtualClock
 from engine_adapter._pin_order import deadlock_victims, program_start, yield_order
@@ -126,4 +128,52 @@ def test_the_pin_budget_counts_distinct_blocks_on_both_engines() -> None:
     assert kv.set_pin(es["a1"], 30.0).pinned_blocks == book.set_pin(vs["a1"], 30.0).pinned_blocks == 2
     assert kv.num_pinned_blocks == book.num_pinned_blocks == 10  # a renewed lease pins nothing twice
     kv.check_invariants()
+    book.check_invariants()
+
+
+class _Req:
+    def __init__(self, rid: str, num_tokens: int) -> None:
+        self.request_id, self.num_tokens, self.num_computed_tokens = rid, num_tokens, 0
+
+
+def _queue_rules(book: SessionBook, free: int, to: str) -> Any:
+    """The vLLM node's queue rules over the book, with a pool that has ``free`` blocks besides what pins
+    let go (no vLLM: the rules read only these attributes)."""
+    from engine_adapter.vllm_backend._admission import QueueRules
+
+    pool = book.pool
+
+    class Node(QueueRules):
+        block_size, max_num_scheduled_tokens, max_num_running_reqs = 4, 64, 8
+        running: ClassVar[list[Any]] = []
+
+        class kv_cache_manager:
+            class block_pool:
+                @staticmethod
+                def get_num_free_blocks() -> int:
+                    return free + len(pool.free_block_queue.items)
+
+    node = Node()
+    node.book, node.yield_pins_to, node.waiting, node._req_session = book, to, [], {}
+    return node
+
+
+@pytest.mark.parametrize("to", ["queue", "head"])
+def test_pins_yield_to_every_turn_the_step_could_start_not_only_the_head(to: str) -> None:
+    """A's pinned session's turn heads the queue and fits in its pin; behind it waits a turn of program D
+    (started at 4.0, between C and B) that the pool cannot take. Pins give way to it too (B's later-seen
+    session first, then no more than it needs), as the embedded node's scheduler asks every turn it tries;
+    with ``head`` they gave way to the head alone, and D's turn waited behind B's pins."""
+    book, vs = _vllm()
+    d = book.session("d1", "D")
+    d.program_start_s = 4.0
+    node = _queue_rules(book, free=3, to=to)
+    for rid, s, n in (("a1-next", vs["a1"], 10), ("d1-first", d, 8)):
+        node.waiting.append(_Req(rid, n))
+        node._req_session[rid] = s
+    node._yield_pins_to_older()
+    # a1's turn: 10 tokens, 8 kept, so 2 more blocks with the lookahead one (3 free: fits); D's: 3 blocks
+    want = {"a1", "a2", "c1", "b1"} if to == "queue" else {"a1", "a2", "c1", "b1", "b2"}
+    assert _pinned_vllm(vs) == want
+    assert book.stats.yielded_pins == (1 if to == "queue" else 0)
     book.check_invariants()

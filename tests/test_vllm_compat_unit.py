@@ -214,7 +214,7 @@ def test_node_settings_name_every_setting_the_node_reads() -> None:
 
     read = set()
     for path in (Path(_serve.__file__).parent).glob("*.py"):
-        read |= set(re.findall(r'(?:environ\.get|env_on|env_?|getenv)\(\s*"(HINTFLOW_[A-Z0-9_]+)"', path.read_text()))
+        read |= set(re.findall(r'(?:environ\.get|env_on|env_float|env_?|getenv)\(\s*"(HINTFLOW_[A-Z0-9_]+)"', path.read_text()))
     read.discard("HINTFLOW_VLLM_PYTHON")  # where the launcher finds vLLM, not a node setting
     assert read == set(_serve.NODE_SETTINGS)
 

@@ -59,6 +59,21 @@ def test_the_pin_budget_follows_the_host_tier_unless_set() -> None:
             pin_budget(bad, host_tier=False)
 
 
+def test_node_numbers_from_the_environment_name_the_variable_on_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    import math
+
+    from engine_adapter.vllm_backend._infer import env_float
+
+    monkeypatch.delenv("HINTFLOW_ADMIT_FRACTION", raising=False)
+    assert env_float("HINTFLOW_ADMIT_FRACTION", 1.0) == 1.0
+    for raw, want in ((" ", 1.0), ("0.8", 0.8), (" inf ", math.inf)):
+        monkeypatch.setenv("HINTFLOW_ADMIT_FRACTION", raw)
+        assert env_float("HINTFLOW_ADMIT_FRACTION", 1.0) == want
+    monkeypatch.setenv("HINTFLOW_ADMIT_FRACTION", "most")
+    with pytest.raises(ValueError, match=r"HINTFLOW_ADMIT_FRACTION='most': expected a number"):
+        env_float("HINTFLOW_ADMIT_FRACTION", 1.0)
+
+
 def _scheduler_cls(argv: list[str]) -> str:
     assert argv.count("--scheduler-cls") == 1, argv
     return argv[argv.index("--scheduler-cls") + 1]

@@ -9,7 +9,8 @@ per-request check) without importing vLLM, so it reads as plain Python.
 - ``_sync_pinned_band``: a waiting turn whose session holds a pin goes ahead of unpinned ones of its class
   (its memory is reserved for it: serving it turns the pin into progress and frees it), and falls back
   when its pin is dropped while it waits; the embedded scheduler's queue order (``Request.sort_key``);
-- ``_yield_pins_to_older``: pins of programs younger than the queue's head let go until the head fits;
+- ``_yield_pins_to_older``: pins of programs younger than a waiting turn this step could start let go until
+  it fits (in queue order);
 - program admission (``_handle_blocked_waiting_request``): a program's first turn waits while the contexts
   of the programs in flight fill the pool, unless the engine would idle or it has waited long enough
   (the rule is ``engine_adapter/_program_admission.py``'s, the embedded node's too).
@@ -25,6 +26,10 @@ from engine_adapter._pin_order import yield_order
 from engine_adapter._program_admission import ADMIT_HORIZON_S, admit_verdict
 
 from ._sessions import VSession, session_start
+
+
+def _seen_s(s: VSession) -> float:
+    return s.first_seen_s
 
 __all__ = ["ADMIT_HORIZON_S", "CLASS_SCALE", "PRIORITY_SCALE", "QueueRules"]
 
@@ -54,6 +59,9 @@ class QueueRules:
     admit_max_wait_s: float
     admit_horizon_s: float
     admit_stats: dict[str, int]
+    max_num_scheduled_tokens: int
+    max_num_running_reqs: int
+    yield_pins_to: str
     _admit_reason: dict[str, str]
     _req_session: dict[str, VSession]
     _started: set[str]
@@ -110,24 +118,41 @@ class QueueRules:
         raise NotImplementedError
 
     def _yield_pins_to_older(self) -> None:
-        """Drop pins of programs younger than the queue's head (youngest first) until the head fits.
+        """Drop pins of programs younger than a waiting turn that memory cannot take (youngest first) until
+        it fits, for the turns this step can start, in queue order (``yield_pins_to``: ``head`` looks at the
+        queue's head alone, as until 2026-12-05).
 
         Why: a pin is a bet that its program comes back soon; it must not make an older program's turn
-        that is already here wait (work conservation; program FCFS decides who is older).
+        that is already here wait (work conservation; program FCFS decides who is older). Not only the
+        head: a pinned session's turn goes first (``_sync_pinned_band``) and fits in its own pin, while
+        the unpinned turns behind it, which vLLM would start in the same step, found the pool held by
+        pins and waited (the embedded node's scheduler asks every turn it tries, ``_scheduler``).
         """
         if not self.book.num_pinned_blocks or not self.waiting:
             return
-        head = self.waiting.peek_request()
-        hs = self._req_session.get(head.request_id)
-        if hs is None:
-            return  # anonymous traffic does not outrank pins: that is what pins protect against
-        need = -(-head.num_tokens // self.block_size) + 1 - len(hs.held)
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        pinned = [x for x in self.book.sessions.values() if x.held and x is not hs]
-        for x in yield_order(pinned, session_start(hs), start=session_start, seen=lambda v: v.first_seen_s):
-            if need <= free:
-                break
-            free += self.book.drop_pin(x, yielded=True)
+        tokens_left = self.max_num_scheduled_tokens - len(self.running)  # (a decode token per running request)
+        seats_left = self.max_num_running_reqs - len(self.running)
+        for r in self.waiting:  # (a priority queue iterates in order)
+            if tokens_left <= 0 or seats_left <= 0 or not self.book.num_pinned_blocks:
+                return
+            rs = self._req_session.get(r.request_id)
+            if rs is None:
+                return  # anonymous traffic does not outrank pins: that is what pins protect against
+            kept = len(rs.held) * self.block_size
+            chunk = min(max(0, r.num_tokens - max(kept, r.num_computed_tokens)), tokens_left)
+            need = -(-(max(kept, r.num_computed_tokens) + chunk) // self.block_size) + 1 - len(rs.held)
+            if need > free:
+                pinned = [x for x in self.book.sessions.values() if x.held and x is not rs]
+                for x in yield_order(pinned, session_start(rs), start=session_start, seen=_seen_s):
+                    free += self.book.drop_pin(x, yielded=True)
+                    if need <= free:
+                        break
+            if need > free or self.yield_pins_to == "head":
+                return  # vLLM's step stops at the first waiting turn it cannot place
+            free -= need
+            tokens_left -= chunk
+            seats_left -= 1
 
     # ---- program admission ----------------------------------------------------------------------------
     def _is_new_program_turn(self, request: Any) -> bool:

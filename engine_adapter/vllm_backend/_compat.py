@@ -64,7 +64,7 @@ _SCHEDULER_NAMES = (
     "_free_request_blocks", "_handle_blocked_waiting_request", "_request_blocks_can_be_freed",
     # state read or re-keyed (_hint_scheduler, _admission, _cache_state, _metrics)
     "vllm_config", "kv_cache_config", "kv_cache_manager", "block_size", "requests", "waiting",
-    "kv_holding_waiting", "running", "policy",
+    "kv_holding_waiting", "running", "policy", "max_num_scheduled_tokens", "max_num_running_reqs",
     # context moves (_context_moves): the prefix-cache hashes of imported blocks
     "hash_block_size",
 )  # fmt: skip

@@ -71,7 +71,7 @@ from ._async_mode import StepsInFlight, log_async_mode
 from ._compat import check_vllm_internals
 from ._context_moves import KvLayout, kv_layout
 from ._host_index import HOST_RELOAD_S_PER_TOKEN
-from ._infer import HintInference, env_on, infer_enabled
+from ._infer import HintInference, env_float, env_on, infer_enabled
 from ._sessions import SessionBook, VSession
 
 if TYPE_CHECKING:
@@ -138,7 +138,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (the aging,
     else 1 s: a held first turn starts once it has waited this long, queue time included),
     HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
-    HINTFLOW_YIELD_PINS (1: pins of younger programs yield to the queue's head), HINTFLOW_TTFT_DEADLINE_S
+    HINTFLOW_YIELD_PINS (1: pins of younger programs yield to a waiting turn the step could start that memory
+    cannot take, in queue order; head: to the queue's head alone; 0: off), HINTFLOW_TTFT_DEADLINE_S
     (inf: a request waiting this long goes first), HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
     holds a pin goes ahead of unpinned ones of its class, as on the embedded node), HINTFLOW_PIN_GRACE_S
     (0.5: a session the orchestrator pinned in the last HINTFLOW_INFER_DEFER_S is held this long at each
@@ -181,7 +182,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # One figure for a copy back from the host, used by this node's own pin rule and reported in its
         # CacheState for the router and the orchestrator's pins (0: no host tier)
         self.host_reload_s_per_token = (
-            float(os.environ.get("HINTFLOW_HOST_RELOAD_S_PER_TOKEN", str(HOST_RELOAD_S_PER_TOKEN)))
+            env_float("HINTFLOW_HOST_RELOAD_S_PER_TOKEN", HOST_RELOAD_S_PER_TOKEN)
             if self.host_tier is not None else 0.0
         )
         # What the host tier gives back of evicted contexts: prices this node's inferred pins and, through
@@ -192,14 +193,13 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.unpinned_survival = UnpinnedSurvival()
         self.infer: HintInference | None = None
         if infer_enabled():
-            env = os.environ.get
-            reload = env("HINTFLOW_INFER_RELOAD_S_PER_TOKEN")
+            reload = env_float("HINTFLOW_INFER_RELOAD_S_PER_TOKEN", math.nan)  # nan (unset): measured
             self.infer = HintInference(
                 self.book,
                 backlog_tokens=self.prefill_backlog_tokens,
-                defer_s=float(env("HINTFLOW_INFER_DEFER_S", "60")),
-                reload_s_per_token=float(reload) if reload else None,
-                silent_min_s=float(env("HINTFLOW_INFER_SILENT_S", "30")),
+                defer_s=env_float("HINTFLOW_INFER_DEFER_S", 60.0),
+                reload_s_per_token=None if math.isnan(reload) else reload,
+                silent_min_s=env_float("HINTFLOW_INFER_SILENT_S", 30.0),
                 host_reload_s_per_token=self.host_reload_s_per_token or None,  # None: no host tier
                 pool_tokens=(lambda: float(self.book.num_blocks * self.block_size))
                 if env_on("HINTFLOW_INFER_MEMORY_SHARE", "1") else None,
@@ -211,25 +211,23 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self._next_log_s = 0.0
         # Program FCFS gives an older program's turn at most this head start over a newer arrival, so
         # new programs' first turns cannot starve under overload (inf: strict program FCFS).
-        self.aging_s = float(os.environ.get("HINTFLOW_PRIORITY_AGING_S", str(AGING_S)))
-        env_ = os.environ.get
+        self.aging_s = env_float("HINTFLOW_PRIORITY_AGING_S", AGING_S)
         self.admit_guard = env_on("HINTFLOW_ADMIT_GUARD", "1")
-        self.admit_fraction = float(env_("HINTFLOW_ADMIT_FRACTION", "1.0"))
+        self.admit_fraction = env_float("HINTFLOW_ADMIT_FRACTION", 1.0)
         # the pool the in-flight contexts must fit: the device's, and the host tier's (what the device
         # evicts is kept there)
         self.admit_pool_blocks = self.book.num_blocks + (self.host_tier.num_slots if self.host_tier is not None else 0)
         default_wait = self.aging_s if math.isfinite(self.aging_s) else AGING_S
-        raw_wait = env_("HINTFLOW_ADMIT_MAX_WAIT_S", str(default_wait))
-        try:
-            self.admit_max_wait_s = float(raw_wait)
-        except ValueError:  # ("auto" was a setting until it proved to be the aging bound: docs/vllm-backend.md)
-            raise ValueError(f"HINTFLOW_ADMIT_MAX_WAIT_S must be a number of seconds, got {raw_wait!r}") from None
-        self.admit_horizon_s = float(env_("HINTFLOW_ADMIT_HORIZON_S", str(ADMIT_HORIZON_S)))
+        # ("auto" was a setting until it proved to be the aging bound: docs/vllm-backend.md)
+        self.admit_max_wait_s = env_float("HINTFLOW_ADMIT_MAX_WAIT_S", default_wait)
+        self.admit_horizon_s = env_float("HINTFLOW_ADMIT_HORIZON_S", ADMIT_HORIZON_S)
+        yield_setting = os.environ.get("HINTFLOW_YIELD_PINS", "1").strip().lower()
         self.yield_pins = env_on("HINTFLOW_YIELD_PINS", "1")
-        self.ttft_deadline_s = float(env_("HINTFLOW_TTFT_DEADLINE_S", "inf"))
+        self.yield_pins_to = "head" if yield_setting == "head" else "queue"
+        self.ttft_deadline_s = env_float("HINTFLOW_TTFT_DEADLINE_S", math.inf)
         self.pinned_first = env_on("HINTFLOW_PINNED_FIRST", "1")
-        self.pin_grace_s = float(env_("HINTFLOW_PIN_GRACE_S", "0.5"))
-        self.pin_grace_window_s = float(env_("HINTFLOW_INFER_DEFER_S", "60"))  # "recently pinned": as inference's
+        self.pin_grace_s = env_float("HINTFLOW_PIN_GRACE_S", 0.5)
+        self.pin_grace_window_s = env_float("HINTFLOW_INFER_DEFER_S", 60.0)  # "recently pinned": as inference's
         self.grace_holds = 0
         self._overdue: set[str] = set()  # waiting requests already moved to the front (deadline passed)
         self._started: set[str] = set()  # programs with an admitted turn (in flight until forgotten)

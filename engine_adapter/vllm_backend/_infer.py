@@ -41,7 +41,7 @@ from predictors import ContinuumTTL, HostHitShare, HostTierTTL, PauseModel
 
 from ._sessions import SessionBook, VSession
 
-__all__ = ["SILENT_FACTOR", "SILENT_MIN_S", "HintInference", "env_on", "infer_enabled"]
+__all__ = ["SILENT_FACTOR", "SILENT_MIN_S", "HintInference", "env_float", "env_on", "infer_enabled"]
 
 SILENT_FACTOR = 4.0
 """A program silent for this many times its last lease is taken as gone (its context is released)."""
@@ -53,6 +53,18 @@ UNKNOWN_TOOL = "unknown"
 def env_on(name: str, default: str) -> bool:
     """A node switch from the environment: on unless it reads 0, false, no or off (``default`` when unset)."""
     return os.environ.get(name, default).strip().lower() not in {"0", "false", "no", "off"}
+
+
+def env_float(name: str, default: float) -> float:
+    """A node number from the environment (``default`` when unset or blank; ``inf`` allowed). A value that
+    is not a number is a ValueError naming the variable, at the node's start, not a bare conversion error."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number") from None
 
 
 def infer_enabled() -> bool:
