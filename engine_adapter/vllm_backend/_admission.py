@@ -120,7 +120,7 @@ class QueueRules:
     def _yield_pins_to_older(self) -> None:
         """Drop pins of programs younger than a waiting turn that memory cannot take (youngest first) until
         it fits, for the turns this step can start, in queue order (``yield_pins_to``: ``head`` looks at the
-        queue's head alone, as until 2026-12-05).
+        queue's head alone, the rule before eaf0937).
 
         Why: a pin is a bet that its program comes back soon; it must not make an older program's turn
         that is already here wait (work conservation; program FCFS decides who is older). Not only the
