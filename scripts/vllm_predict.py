@@ -151,17 +151,6 @@ def _variant_mirror(
     return f"node.{name}={base}:" + ",".join(f"{k}={v}" for k, v in keys.items())
 
 
-def _bound_mirrors(host: bool, host_save: str, pin_budget: float | None) -> dict[str, str]:
-    """The replay's clairvoyant ``bound`` on the node of one memory point, with the node's rules (pin
-    budget, program FCFS, yielding pins), without and with the node's admission guard."""
-    suffix = "+host" if host else ""
-    spec = _mirror(f"hintflow-infer{suffix}", host_save, pin_budget)
-    opts = spec.partition(":")[2]
-    plain = ",".join(o for o in opts.split(",") if not o.startswith(("scheduler.admit_", "policy.", "eviction_policy")))
-    return {f"bound{suffix}": f"node.bound{suffix}=bound:{plain}",
-            f"bound-guard{suffix}": f"node.bound-guard{suffix}=bound:{opts.replace('policy.memory_share=true,', '').replace(',eviction_policy=lru', '')}"}
-
-
 def _reference(mode: str) -> str:
     """The stock row a mode is compared with: the stock scheduler with the same memory."""
     return "vanilla+host" if mode.endswith("+host") else "vanilla"
@@ -231,10 +220,6 @@ def main() -> None:
     ap.add_argument("--device-pin-budget", type=float, default=PIN_BUDGET,
                     help="the node's pin budget without a host tier when the report ran, unless its config names "
                          f"one: 0.7 for reports before cbd7738 [{PIN_BUDGET}]")
-    ap.add_argument("--bound", action="store_true",
-                    help="also replay the clairvoyant bound on each memory point's node (every pause known; "
-                         "with and without the admission guard): what finite memory allows this node, as "
-                         "predicted ratios to stock vLLM")
     ap.add_argument("--host-guard", choices=("on", "off"), default="on",
                     help="whether the +host modes' nodes ran the admission guard: off for reports before the "
                          "commit after a902ceb [on]")
@@ -272,17 +257,9 @@ def main() -> None:
                 budget = a.device_pin_budget
             specs = [_variant_mirror(m, variants[m], a.host_save, budget, host_guard) if m in variants
                      else _mirror(m, a.host_save, budget, host_guard) for m in group]
-            bounds = _bound_mirrors(host, a.host_save, budget) if a.bound else {}
-            got = _replay(_setup(real, path, host=host), specs + list(bounds.values()))
+            got = _replay(_setup(real, path, host=host), specs)
             names = [s.partition("=")[0] if "=" in s else s for s in specs]
             pred.update({m: got[n] for m, n in zip(group, names, strict=True)})
-            for name in bounds:
-                stock = pred[_reference(group[0])]
-                row = got[f"node.{name}"]
-                print(f"{name} (analysis, every pause known): {row['jct_mean_s']:.1f} / {row['jct_p90_s']:.1f} s "
-                      f"JCT mean / p90 = {row['jct_mean_s'] / stock['jct_mean_s']:.2f}x, "
-                      f"{row['jct_p90_s'] / stock['jct_p90_s']:.2f}x predicted stock; TTFT p99 "
-                      f"{row['ttft_p99_s'] / stock['ttft_p99_s']:.2f}x")
     meas = real["policies"]
     print("| mode | measured mean / p90 JCT | predicted | × stock | predicted × stock | error (mean, p90) | "
           "hits measured / predicted |\n|---|---|---|---|---|---|---|")
