@@ -27,10 +27,6 @@ from engine_adapter._program_admission import ADMIT_HORIZON_S, admit_verdict
 
 from ._sessions import VSession, session_start
 
-
-def _seen_s(s: VSession) -> float:
-    return s.first_seen_s
-
 __all__ = ["ADMIT_HORIZON_S", "CLASS_SCALE", "PRIORITY_SCALE", "QueueRules"]
 
 PRIORITY_SCALE = 10**12
@@ -139,12 +135,12 @@ class QueueRules:
             rs = self._req_session.get(r.request_id)
             if rs is None:
                 return  # anonymous traffic does not outrank pins: that is what pins protect against
-            kept = len(rs.held) * self.block_size
-            chunk = min(max(0, r.num_tokens - max(kept, r.num_computed_tokens)), tokens_left)
-            need = -(-(max(kept, r.num_computed_tokens) + chunk) // self.block_size) + 1 - len(rs.held)
+            done = max(len(rs.held) * self.block_size, r.num_computed_tokens)  # tokens it need not compute
+            chunk = min(max(0, r.num_tokens - done), tokens_left)
+            need = -(-(done + chunk) // self.block_size) + 1 - len(rs.held)
             if need > free:
                 pinned = [x for x in self.book.sessions.values() if x.held and x is not rs]
-                for x in yield_order(pinned, session_start(rs), start=session_start, seen=_seen_s):
+                for x in yield_order(pinned, session_start(rs), start=session_start, seen=lambda v: v.first_seen_s):
                     free += self.book.drop_pin(x, yielded=True)
                     if need <= free:
                         break
