@@ -124,6 +124,10 @@ def writable_parent(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="vllm: run every policy this many times in turn (the order reversed every other round); "
                    "the table gives medians and each policy's ratio to the same round's vanilla")
+@click.option("--bracket", is_flag=True, default=False,
+              help="vllm: run stock (vanilla, or vanilla+host for a +host policy) before and after every other "
+                   "policy in each round, and give each policy's ratio to the stock runs either side of it "
+                   "(a machine that drifts during the sitting cancels out; one more stock run per policy)")
 @click.pass_context
 def replay_command(ctx: click.Context, backend: str, workload: str, policies: str, variants: tuple[str, ...],
                    num_nodes: int, executor: str,
@@ -133,7 +137,7 @@ def replay_command(ctx: click.Context, backend: str, workload: str, policies: st
                    ttft_deadline_s: float | None, link_gb_per_s: float | None, scale: float | None,
                    json_out: str | None, csv_out: str | None,
                    plots_dir: str | None, progress: bool, jobs: int | None, vllm_python: str | None,
-                   vllm_model: str | None, state_dir: str | None, rounds: int) -> None:
+                   vllm_model: str | None, state_dir: str | None, rounds: int, bracket: bool) -> None:
     """Replay an agent workload under each policy and print the side-by-side table."""
     from replay._vllm_backend import check_backend_options
 

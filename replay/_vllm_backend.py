@@ -35,12 +35,14 @@ from click.core import ParameterSource
 __all__ = [
     "VLLM_WORKLOAD_DEFAULTS",
     "VllmVariant",
+    "bracketed_ratios",
     "check_backend_options",
     "median_rounds",
     "paired_ratios",
     "parse_modes",
     "parse_vllm_variant",
     "run_vllm_replay",
+    "sitting_order",
     "stock_of",
     "vllm_replay",
     "vllm_table",
@@ -60,9 +62,10 @@ MODELED_ONLY = {"cost_model": "--cost-model", "host_memory": "--host-memory",
                 "block_size": "--block-size", "ttft_deadline_s": "--ttft-deadline", "plots_dir": "--plots",
                 "csv_out": "--csv"}
 VLLM_ONLY = {"vllm_python": "--vllm-python", "vllm_model": "--model", "state_dir": "--state-dir",
-             "rounds": "--rounds"}
+             "rounds": "--rounds", "bracket": "--bracket"}
 PAIRED = ("jct_mean_s", "jct_p90_s", "ttft_p50_s", "ttft_p99_s")
-"""Figures given per round as ratios to the same round's vanilla run (``--rounds``)."""
+"""Figures given per round as ratios to the same round's stock run (``--rounds``), or to the stock runs
+either side of the run (``--bracket``)."""
 
 
 def _given(ctx: click.Context, name: str) -> bool:
@@ -185,6 +188,7 @@ def run_vllm_replay(
     vllm_python: str | None = None, model: str | Path | None = None, state_dir: str | Path | None = None,
     pin_budget: float | None = None, host_capacity_tokens: int | None = None, progress: Callable[[str, int], Callable[[int], None]] | None = None,
     log: Callable[[str], None] = lambda _m: None, rounds: int = 1, variants: Sequence[VllmVariant] = (),
+    bracket: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Load the workload, convert it, run each mode on its own server; the report (``policies``: one
     summary per mode, ``programs``: per program and turn, ``verdict`` against vanilla, ``config``).
@@ -193,6 +197,10 @@ def run_vllm_replay(
     machine that drifts over the sitting weighs on every mode alike); ``policies`` then holds each figure's
     median over the rounds, ``rounds`` each round's summaries, ``ratios`` each mode's per-round ratios to
     that round's ``vanilla`` (:func:`paired_ratios`), and ``programs`` the first round's turns.
+    ``bracket``: stock runs before and after every other mode in each round (:func:`sitting_order`); each
+    mode's ``ratios`` are then to the two stock runs either side of it (:func:`bracketed_ratios`), even in
+    one round, ``sequence`` lists each round's runs in the order they ran, and a stock row's figures are the
+    median of all its runs.
     ``variants``: those named in ``modes`` run as their mode with their policy options and node settings.
 
     ``ValueError`` for a workload or sizes that cannot run, ``RuntimeError`` / ``TimeoutError`` when a
@@ -257,7 +265,7 @@ def run_vllm_replay(
         else "a third of the live programs' contexts", "expected_live_programs": live,
         "max_model_len": max_len, "pin_budget": pin_budget,
         "host_capacity_tokens": host_tokens if any(m.endswith("+host") for m in modes) else None, "model": str(model_dir), "vllm_python": python,
-        "state_dir": str(state), "policies": modes, "rounds": rounds,
+        "state_dir": str(state), "policies": modes, "rounds": rounds, "bracket": bracket,
     }  # fmt: skip
     by_name = {v.name: v for v in variants if v.name in modes}
     if by_name:
@@ -267,16 +275,17 @@ def run_vllm_replay(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     t0 = time.perf_counter()
     runs: list[dict[str, dict[str, Any]]] = []
+    sequence: list[list[tuple[str, dict[str, Any]]]] = []
     for r in range(rounds):
-        runs.append({})
-        for mode in modes if r % 2 == 0 else modes[::-1]:
+        sequence.append([])
+        for mode in sitting_order(modes, r, bracket=bracket):
             which = f" (round {r + 1} of {rounds})" if rounds > 1 else ""
             log(f"{mode}{which}: starting a vLLM server ({blocks} blocks of {BLOCK} tokens), {len(agents)} programs")
             v = by_name.get(mode, VllmVariant(mode, mode))
             for attempt in range(1 + PORT_RETRIES):
                 cb = progress(mode, len(agents)) if progress is not None else None
                 try:
-                    runs[r][mode] = run_mode(
+                    summary = run_mode(
                         v.mode, agents, model=model_dir, python=python, state=state, num_blocks=blocks,
                         max_model_len=max_len, pin_budget=pin_budget, extra_args=[], progress=cb,
                         host_capacity_tokens=host_tokens, label=mode, policy_options=v.policy_options,
@@ -287,12 +296,18 @@ def run_vllm_replay(
                     if not _lost_port(e) or attempt == PORT_RETRIES:
                         raise
                     log(f"{mode}: a port chosen for its server was taken before it bound; starting it again")
-            if r == 0:
+            sequence[r].append((mode, summary))
+            if mode not in report["programs"]:  # each mode's first run
                 report["programs"][mode] = json.loads((state / f"{mode}.programs.json").read_text())
+        # a mode's row of the round: its run, or the median of a stock mode's bracketing runs
+        runs.append(median_rounds([{m: row} for m, row in sequence[r]], modes, partial=True))
     report["policies"] = median_rounds(runs, modes)
     if rounds > 1:
         report["rounds"] = runs
         report["ratios"] = paired_ratios(runs)
+    if bracket:
+        report["sequence"] = [[{"mode": m, **row} for m, row in seq] for seq in sequence]
+        report["ratios"] = bracketed_ratios(sequence)
     report["verdict"] = verdict(report["policies"])
     report["config"]["wall_s"] = time.perf_counter() - t0
     return report
@@ -309,12 +324,36 @@ def _lost_port(e: BaseException) -> bool:
     return "Address already in use" in text or "Failed to bind to address" in text
 
 
-def median_rounds(runs: list[dict[str, dict[str, Any]]], modes: list[str]) -> dict[str, dict[str, Any]]:
+def sitting_order(modes: Sequence[str], round_index: int, *, bracket: bool = False) -> list[str]:
+    """The order one round runs its modes in: as given, reversed every other round (so a machine that
+    drifts over the sitting weighs on every mode alike). ``bracket``: each other mode between two runs of
+    its stock mode (:func:`stock_of`), a stock run shared by neighbours (``S A S B S``): an A-B-A design,
+    in which a drift that is smooth over two runs cancels from the mode's ratio wherever in the sitting it
+    peaks, at the cost of one more stock run per mode."""
+    order = list(modes) if round_index % 2 == 0 else list(modes)[::-1]
+    if not bracket:
+        return order
+    out: list[str] = []
+    for mode in order:
+        ref = stock_of(mode, modes)
+        if ref is None:
+            continue  # stock runs only around the modes it is the reference of
+        if not out or out[-1] != ref:
+            out.append(ref)
+        out += [mode, ref]
+    # a stock mode no other mode is compared with still runs once
+    return out + [m for m in order if stock_of(m, modes) is None and m not in out]
+
+
+def median_rounds(
+    runs: list[dict[str, dict[str, Any]]], modes: list[str], *, partial: bool = False
+) -> dict[str, dict[str, Any]]:
     """Each mode's summary over the rounds: the median of every number (the first round's other fields),
-    failed programs summed, errors of every round."""
+    failed programs summed, errors of every round. ``partial``: a run need not hold every mode (the runs of
+    one bracketed round, one mode each)."""
     out: dict[str, dict[str, Any]] = {}
     for mode in modes:
-        rows = [run[mode] for run in runs]
+        rows = [run[mode] for run in runs if mode in run or not partial]
         merged = dict(rows[0])
         for key in rows[0]:
             values = [row[key] for row in rows]
@@ -357,6 +396,28 @@ def paired_ratios(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, 
     return out
 
 
+def bracketed_ratios(sequence: list[list[tuple[str, dict[str, Any]]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per mode with a stock mode (:func:`stock_of`), per figure of :data:`PAIRED`: each run's ratio to the
+    mean of the nearest runs of its stock mode before and after it in the same round (one side where the
+    other has none), and their median, min and max over its runs."""
+    modes = {m for seq in sequence for m, _ in seq}
+    each: dict[str, dict[str, list[float]]] = {}
+    for seq in sequence:
+        for i, (mode, row) in enumerate(seq):
+            base = stock_of(mode, modes)
+            if base is None:
+                continue
+            before = next((r for m, r in reversed(seq[:i]) if m == base), None)
+            after = next((r for m, r in seq[i + 1:] if m == base), None)
+            refs = [r for r in (before, after) if r is not None]
+            for key in PAIRED:
+                ref = sum(r[key] for r in refs) / len(refs) if refs else 0.0
+                if ref:
+                    each.setdefault(mode, {}).setdefault(key, []).append(row[key] / ref)
+    return {mode: {key: {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
+                   for key, xs in figures.items()} for mode, figures in each.items()}  # fmt: skip
+
+
 def _int_or_none(x: float | None) -> int | None:
     return None if x is None else int(x)
 
@@ -389,9 +450,13 @@ def vllm_table(report: dict[str, Any]) -> str:
                     ratio = f" ({r['median']:.2f}×, {r['min']:.2f}-{r['max']:.2f})"
                 cells.append(f"{v:.{3 if kind == 'ms' else 2}f} s{ratio}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    rounds = len(report.get("rounds") or ()) or 1
+    rounds = len(report.get("rounds") or report.get("sequence") or ()) or 1
     compared = any(stock_of(name, pols) is not None for name in pols)
-    if compared and rounds > 1:
+    if compared and report.get("sequence"):
+        lines.append(f"\nmedians of {rounds} round(s), stock bracketing every other policy; in parentheses: × the "
+                     "stock runs (vanilla, or vanilla+host for a +host policy) either side of each run, median "
+                     "(lowest-highest)")
+    elif compared and rounds > 1:
         lines.append(f"\nmedians of {rounds} rounds; in parentheses: × stock (vanilla, or vanilla+host for a "
                      "+host policy) of the same round, median (lowest-highest)")
     elif compared:
@@ -428,6 +493,7 @@ def vllm_replay(ctx: click.Context, progress: Callable[[str, int], Callable[[int
             seed=p["seed"], kv_capacity_tokens=p["kv_capacity_tokens"], vllm_python=p["vllm_python"],
             model=p["vllm_model"], state_dir=p["state_dir"], progress=progress, log=log,
             host_capacity_tokens=p["host_capacity_tokens"], rounds=p["rounds"], variants=variants,
+            bracket=p["bracket"],
         )  # fmt: skip
     except (ValueError, OSError, RuntimeError, TimeoutError) as e:
         raise click.ClickException(str(e)) from None
@@ -440,7 +506,8 @@ def vllm_replay(ctx: click.Context, progress: Callable[[str, int], Callable[[int
                f"node per policy ({Path(c['model']).name}), token scale {c['scale']:g}, outputs <= "
                f"{c['max_output_tokens']} tokens, KV pool {c['num_gpu_blocks']} blocks of {c['block_size']} = "
                f"{c['kv_capacity_tokens']:,} tokens{raised}, {host}max-model-len {c['max_model_len']:,}, "
-               f"{c['rounds']} round(s), {c['wall_s']:.1f} s wall")  # fmt: skip
+               f"{c['rounds']} round(s){', stock bracketing each' if c['bracket'] else ''}, "
+               f"{c['wall_s']:.1f} s wall")  # fmt: skip
     click.echo(vllm_table(report))
     if p["json_out"]:
         Path(p["json_out"]).write_text(json.dumps(report, indent=2) + "\n")

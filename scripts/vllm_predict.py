@@ -266,7 +266,10 @@ def main() -> None:
     rows = {}
     for m in modes:
         ref = _reference(m)
-        r_meas = [meas[m][k] / meas[ref][k] for k in ("jct_mean_s", "jct_p90_s")]
+        # a sitting with stock bracketing each run (--bracket): each run's ratio to its neighbours, which a
+        # machine drifting during the sitting moves far less than the ratio of the medians
+        paired = real.get("ratios", {}).get(m, {}) if real.get("sequence") else {}
+        r_meas = [paired[k]["median"] if k in paired else meas[m][k] / meas[ref][k] for k in ("jct_mean_s", "jct_p90_s")]
         r_pred = [pred[m][k] / pred[ref][k] for k in ("jct_mean_s", "jct_p90_s")]
         err = [p / r - 1 for p, r in zip(r_pred, r_meas, strict=True)]
         rows[m] = {"measured": r_meas, "predicted": r_pred, "error": err,

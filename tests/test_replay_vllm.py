@@ -225,6 +225,7 @@ def test_one_session_program_is_sent_as_before(fake_vllm: _FakeVllm) -> None:
     (["--model", "m", "--policy", "vllm-default"], "--model applies only with --backend vllm"),
     (["--vllm-python", "py"], "--vllm-python applies only with --backend vllm"),
     (["--rounds", "3"], "--rounds applies only with --backend vllm"),
+    (["--bracket"], "--bracket applies only with --backend vllm"),
     (["--backend", "vllm", "--rounds", "0"], "--rounds"),
     (["--backend", "vllm", "--variant", "T=hintflow-orchestrator+host:policy.queue_delay=false"], "ends with '+host'"),
     (["--backend", "vllm", "--variant", "x=hintflow-infer:env.HINTFLOW_TTFT_DEADLNE_S=1"],
@@ -365,6 +366,59 @@ def test_variants_run_as_their_mode_with_their_options_and_pair_with_its_stock(
     assert report["config"]["variants"] == {"TD+host": {
         "mode": "hintflow-orchestrator+host", "policy_options": {"measured_price": False, "queue_delay": False},
         "env": {"HINTFLOW_TTFT_DEADLINE_S": "1.5"}}}  # fmt: skip
+
+
+def test_bracket_puts_stock_either_side_of_every_mode_and_pairs_each_run_with_its_neighbours() -> None:
+    from replay._vllm_backend import bracketed_ratios, sitting_order
+
+    modes = ["vanilla", "hintflow-infer", "continuum"]
+    assert sitting_order(modes, 0) == modes and sitting_order(modes, 1) == modes[::-1]
+    assert sitting_order(modes, 0, bracket=True) == ["vanilla", "hintflow-infer", "vanilla", "continuum", "vanilla"]
+    assert sitting_order(modes, 1, bracket=True) == ["vanilla", "continuum", "vanilla", "hintflow-infer", "vanilla"]
+    # two memory points: each mode between runs of its own stock
+    both = ["vanilla", "vanilla+host", "hintflow-infer", "hintflow-infer+host"]
+    assert sitting_order(both, 0, bracket=True) == [
+        "vanilla", "hintflow-infer", "vanilla", "vanilla+host", "hintflow-infer+host", "vanilla+host"]
+    assert sitting_order(["vanilla"], 0, bracket=True) == ["vanilla"]  # nothing to bracket: stock once
+    # The machine slows down linearly through the round (stock 10, 20, 30 s); hintflow is 0.5x and
+    # continuum 0.8x of what stock would take at their moment. Paired with the round's one stock figure
+    # (its median, 20 s), continuum would look 1.2x; with its neighbours it is 0.8x.
+    seq = [[("vanilla", _summary(10.0, 1.0)), ("hintflow-infer", _summary(7.5, 1.0)), ("vanilla", _summary(20.0, 1.0)),
+            ("continuum", _summary(20.0, 1.0)), ("vanilla", _summary(30.0, 1.0))]]  # fmt: skip
+    ratios = bracketed_ratios(seq)
+    assert set(ratios) == {"hintflow-infer", "continuum"}
+    assert ratios["hintflow-infer"]["jct_mean_s"]["median"] == pytest.approx(0.5)
+    assert ratios["continuum"]["jct_mean_s"]["median"] == pytest.approx(0.8)
+    # a run with stock on one side only (a round cut short) is paired with that side
+    assert bracketed_ratios([seq[0][:2]])["hintflow-infer"]["jct_mean_s"]["rounds"] == [0.75]
+
+
+def test_bracketed_sitting_runs_stock_between_modes_and_reports_the_sequence(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import replay._vllm_bench as bench
+    from replay._vllm_backend import run_vllm_replay, vllm_table
+
+    labels: list[str] = []
+
+    def run_mode(mode: str, agents: Any, **kw: Any) -> dict[str, Any]:
+        labels.append(kw["label"])
+        (tmp_path / "s" / f"{kw['label']}.programs.json").write_text(f'["{len(labels)}"]')
+        # stock slows by 10 s a run; hintflow takes half of what stock takes at its moment
+        return _summary(10.0 * len(labels) if mode == "vanilla" else 5.0 * len(labels), 1.0)
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    monkeypatch.setattr(bench, "ensure_model", lambda python, d: None)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    report = run_vllm_replay(workload="swe-agent", num_programs=2, vllm_python="/bin/true", model=tmp_path / "m",
+                             state_dir=tmp_path / "s", modes=["vanilla", "hintflow-infer"], bracket=True)  # fmt: skip
+    assert labels == ["vanilla", "hintflow-infer", "vanilla"]
+    assert report["ratios"]["hintflow-infer"]["jct_mean_s"]["median"] == pytest.approx(0.5)
+    assert report["policies"]["vanilla"]["jct_mean_s"] == 20.0  # the median of stock's runs (10, 30)
+    assert [row["mode"] for row in report["sequence"][0]] == labels
+    assert report["programs"]["vanilla"] == ["1"]  # each mode's first run
+    assert "either side of each run" in vllm_table(report) and report["config"]["bracket"] is True
 
 
 # ---- against real vLLM servers -------------------------------------------------------------------------
