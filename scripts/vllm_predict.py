@@ -6,10 +6,13 @@ REAL.json is a ``hintflow replay --backend vllm --json`` report with a ``vanilla
 pool, one sitting); ``MODE+host`` rows are predicted on a node with the report's host tier and compared
 with ``vanilla+host`` (the stock scheduler with the same tier), which the report must have too; their
 nodes' host tier saves as the real connector did (``--host-save``: on eviction, or write-through with
-LRU drops). Step 1 fits the replay's cost model to this machine: the ``cpu-vllm-tiny`` profile
-with its re-prefill and decode-step costs chosen on a grid so that the replayed ``vllm-default`` matches
-the measured ``vanilla`` (mean and p90 JCT, TTFT p50), as ``cpu-vllm-tiny`` itself was calibrated on
-another machine (a VM three times faster makes a different operating point, not only a faster one), and,
+LRU drops). Step 1 fits the replay's cost model to this sitting: the ``cpu-vllm-tiny`` profile (the
+step's shape as ``scripts/vllm_cost_probe.py`` measured it on an idle stock server: prefill with
+attention's quadratic term, decode by streams and context; the replay's step budget, see the probe's
+``REPLAY_STEP_TOKENS``) with its
+prefill and its decode parts each scaled on a grid so that the replayed ``vllm-default`` matches the
+measured ``vanilla`` (mean and p90 JCT, TTFT p50): this shared VM's speed moves by 2.5x between
+sittings, and a loaded node is not an idle one; and,
 where a hintflow mode's node reported it (``node_prefill_share``), so that the replayed mirror of that mode
 spends the same share of its step time prefilling: several splits of a step between prefill and decode fit
 the stock run's latencies alike, and the pin price (``measured_price``) depends on the split.
@@ -65,10 +68,10 @@ default since 2026-12-03; the replay's own tier does the same), or write-through
 recently used chains dropped first (the sittings before)."""
 """Each real mode as the replay's configuration of one embedded node that runs the same rules."""
 KEYS = ("jct_mean_s", "jct_p90_s", "ttft_p50_s")
-# Wide enough for the VM's speeds seen so far: it ran the benchmark trace 2.5x faster on 2026-12-03's
-# evening than that afternoon, and the stock row with the host tier then fitted no point of a grid from 5e-5
-PREFILL_S_PER_TOKEN = [5e-5 * 1.25**i for i in range(-6, 12)]  # 1.3e-5 .. 5.8e-4
-DECODE_STEP_S = [0.003, 0.004, 0.006, 0.009, 0.013, 0.018]
+# The measured profile's prefill and decode parts each scaled to the sitting: wide enough for the VM's
+# speeds seen so far (it ran the benchmark trace 2.5x faster on 2026-12-03's evening than that afternoon)
+PREFILL_SCALE = [1.25**i for i in range(-6, 10)]  # 0.26x .. 7.5x
+DECODE_SCALE = [0.5, 0.7, 1.0, 1.4, 2.0, 2.8]
 
 
 def _setup(real: dict[str, Any], cost_model: str, *, host: bool = False) -> ReplaySetup:
@@ -156,10 +159,16 @@ def _reference(mode: str) -> str:
     return "vanilla+host" if mode.endswith("+host") else "vanilla"
 
 
-def _profile(prefill_b: float, decode_base: float, out: Path) -> str:
+def _profile(prefill_scale: float, decode_scale: float, out: Path) -> str:
+    """``cpu-vllm-tiny`` (measured by ``scripts/vllm_cost_probe.py``: the step's shape, attention's quadratic
+    term included) with its prefill and its decode coefficients each scaled."""
     base = json.loads((Path(__file__).parents[1] / "engine_adapter/profiles/cpu-vllm-tiny.json").read_text())
-    base.update(name="fitted", prefill_b_s_per_token=prefill_b, decode_base_s=decode_base,
-                source=f"scripts/vllm_predict.py: fitted to a stock vLLM run (b={prefill_b:.3g}, decode {decode_base})")
+    for key in ("prefill_a_s", "prefill_b_s_per_token", "prefill_c_s_per_token2"):
+        base[key] *= prefill_scale
+    for key in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s"):
+        base[key] *= decode_scale
+    base.update(name="fitted", fit=None, source=f"scripts/vllm_predict.py: cpu-vllm-tiny scaled to a stock vLLM run "
+                f"(prefill x{prefill_scale:.3g}, decode x{decode_scale:.3g})")  # fmt: skip
     out.write_text(json.dumps(base))
     return str(out)
 
@@ -193,7 +202,7 @@ def calibrate(
         [_mirror(share_mode, host_save, budget, host_guard)] if share_mode else []
     )
     best: tuple[float, str, dict[str, float]] | None = None
-    for i, (b, d) in enumerate(itertools.product(PREFILL_S_PER_TOKEN, DECODE_STEP_S)):
+    for i, (b, d) in enumerate(itertools.product(PREFILL_SCALE, DECODE_SCALE)):
         path = _profile(b, d, tmp / f"p{int(host)}-{i}.json")
         rows = list(_replay(_setup(real, path, host=host), specs).values())
         got = rows[0]
@@ -249,8 +258,9 @@ def main() -> None:
             path, fit, rms = calibrate(real, Path(tmp), host=host, host_save=a.host_save, host_guard=host_guard)
             profile = json.loads(Path(path).read_text())
             fits[_reference(group[0])] = profile
-            print(f"fitted to {_reference(group[0])}: prefill {profile['prefill_b_s_per_token']:.3g} s/token, "
-                  f"decode step {profile['decode_base_s']} s (replayed {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s "
+            print(f"fitted to {_reference(group[0])}: {profile['source'].partition('(')[2].rstrip(')')}; prefill "
+                  f"b {profile['prefill_b_s_per_token']:.3g} s/token, c {profile['prefill_c_s_per_token2']:.3g} "
+                  f"s/token², decode step {profile['decode_base_s']:.3g} s (replayed {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s "
                   f"JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
             budget = real["config"].get("pin_budget")
             if budget is None and not host:
