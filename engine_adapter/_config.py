@@ -56,6 +56,7 @@ class SchedulerSettings(_Section):
     admit_max_wait_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     admit_horizon_s: float = Field(default=5.0, ge=0.0, allow_inf_nan=False)
     resumes_are_warm: bool = False
+    admit_whole_prompt: bool = False
 
 
 class ModelSettings(_Section):

@@ -215,12 +215,16 @@ class KVCacheManager(HostTier):
         self._refresh(s)
 
     # ---- allocation and eviction ---------------------------------------------------------------
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``n`` device blocks could be had (free, or evictable from contexts nothing pins): an upper
+        bound, as in :meth:`allocate_device` (a block two contexts share is counted twice)."""
+        return self.device.num_free_blocks + self.num_evictable_blocks >= n
+
     def allocate_device(self, n: int, exclude: Session | None = None) -> list[int] | None:
         """``n`` free device blocks, evicting parked (then queued) contexts' blocks for them, or None.  None
-        at once, with nothing evicted, when the free blocks and those contexts' unpinned blocks add up to
-        fewer than ``n``; that count is an upper bound (a block two contexts share is counted twice and
-        frees only with the second), so an allocation can still fail after evicting what it could."""
-        if self.device.num_free_blocks + self.num_evictable_blocks < n:
+        at once, with nothing evicted, when :meth:`can_allocate` says no; that count is an upper bound, so
+        an allocation can still fail after evicting what it could."""
+        if not self.can_allocate(n):
             return None
         now = self.clock.now()
         while self.device.num_free_blocks < n:

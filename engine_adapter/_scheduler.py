@@ -92,6 +92,11 @@ class SchedulerConfig:
     # A turn of a session this node has served counts as warm even when it must recompute an evicted
     # tail: the cold cap is for new prompts, and a resume throttled behind them stalls a program mid-run.
     resumes_are_warm: bool = False
+    # A waiting turn starts only while the pool could hold its whole prompt, not only the first chunk the
+    # step's budget gives it (vLLM's ``scheduler_reserve_full_isl``, on by default since 0.32): with
+    # chunked prefill, turns admitted on their first chunk preempt each other for the later ones (a
+    # replay of a vLLM node at its 2,048-token budget preempted 159 times where vLLM preempted 3).
+    admit_whole_prompt: bool = False
 
 
 class Scheduler:
@@ -273,7 +278,10 @@ class Scheduler:
             whole = cold_pass and self.config.cold_prefill_budget_tokens < self.config.max_num_batched_tokens
             attached = self.kv.attach(s, tokens, plan)  # (sets the session's cached prefix first)
             reserve = max(len(s.token_ids) + chunk, len(tokens) if whole else 0)
-            if not attached or not self.kv.ensure_slots(s, reserve):
+            whole_fits = not self.config.admit_whole_prompt or self.kv.can_allocate(
+                -(-len(tokens) // self.kv.block_size) - len(s.block_ids)
+            )
+            if not attached or not whole_fits or not self.kv.ensure_slots(s, reserve):
                 if s.state is SessionState.RUNNING:
                     self.kv.set_waiting(s)
                 # Memory is full: the request keeps its place in the queue.  If nothing runs and nothing

@@ -7,8 +7,11 @@ that model was the ``cpu-vllm-tiny`` profile with two coefficients chosen to fit
 prefill linear in new tokens and no attention term, with the replay's step budget of 8,192 tokens. Stock
 vLLM's turns all re-prefill whole contexts, so a linear price fitted to them charges a turn that finds its
 context (a few hundred new tokens attending over thousands of cached ones) the per-token price of a
-whole prompt's average. This probe measures the shape instead, on an idle stock server of the same
-model, one request (or one batch) at a time:
+whole prompt's average. And the CPU build's server computes at most 2,048 tokens a step and admits a
+turn only while its whole prompt fits (vLLM's ``scheduler_reserve_full_isl``): at that budget, with
+admission on the first chunk alone, the replay's nodes preempted fifty times as often as vLLM
+(``SchedulerConfig.admit_whole_prompt``, which ``vllm_predict`` now sets). This probe measures the shape,
+on an idle stock server of the same model, one request (or one batch) at a time:
 
 - prefill: ``n`` fresh tokens (a prompt no earlier one shares a block with), ``max_tokens=1``, the time to
   the first streamed token; and ``n`` new tokens after ``p`` cached ones (the ``p``-token prefix sent once
@@ -19,8 +22,8 @@ model, one request (or one batch) at a time:
 
 The fit is ``engine_adapter._profile.fit_nonneg`` (relative error, non-negative coefficients), the
 formulas of ``engine_adapter._cost_model``. The HTTP round trip and the server's per-request work land in
-``prefill_a_s``. The written profile keeps the old profile's copy cost, and the replay's step budget
-(:data:`REPLAY_STEP_TOKENS`).
+``prefill_a_s``. The written profile keeps the old profile's copy cost; its step budget is vLLM's
+(:data:`STEP_TOKENS`), which the replay's nodes then run with.
 """
 
 from __future__ import annotations
@@ -54,12 +57,6 @@ from engine_adapter.vllm_backend import (
 STEP_TOKENS = 2048
 """vLLM 0.32's ``max_num_batched_tokens`` for its OpenAI server on a CPU platform (``EngineArgs``'s CPU
 defaults: 2,048 per rank; 4,096 for the ``LLM`` class), which the real node's servers run with."""
-REPLAY_STEP_TOKENS = 8192
-"""The written profile's step budget, which the replay's nodes run with: not vLLM's 2,048. With the measured
-coefficients and a 2,048-token budget the replay's mirror of the hintflow node kept 43% of returning turns'
-contexts where the real node kept 53% (bd1, docs/benchmarks.md), and predicted its ratio to stock 20% high;
-with 8,192 it kept 53% and predicted every mode within 8%. The embedded scheduler at small budgets does
-something vLLM's does not, not yet found; until it is, the profile keeps the budget that predicts."""
 BLOCK = 128
 FRESH = (128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 AFTER = ((128, 1024), (256, 1024), (128, 2048), (256, 2048), (512, 2048), (128, 3072), (256, 3072), (512, 3584))
@@ -199,13 +196,12 @@ def main() -> None:
         "model": "the vLLM benchmark's tiny random-weight Llama (engine_adapter/vllm_backend/_tiny_model.py)",
         "source": f"measured by scripts/vllm_cost_probe.py on an idle stock vLLM server, {day}: prefill from the "
                   "first token of fresh and cached-prefix prompts, decode from the gaps between streamed tokens; "
-                  f"chunks of {STEP_TOKENS} tokens (vLLM's CPU default step budget); the replay's step budget "
-                  f"{REPLAY_STEP_TOKENS} (see REPLAY_STEP_TOKENS there). scripts/vllm_predict.py scales the "
+                  f"step budget {STEP_TOKENS} tokens (vLLM's CPU default). scripts/vllm_predict.py scales the "
                   "prefill and decode parts to each sitting's stock run.",
         "prefill_a_s": float(pa), "prefill_b_s_per_token": float(pb), "prefill_c_s_per_token2": float(pc),
         "decode_base_s": float(da), "decode_per_seq_s": float(dn), "decode_per_ctx_token_s": float(dc),
         "copy_per_block_s": old.get("copy_per_block_s", 3.79e-06), "block_size": BLOCK,
-        "max_batched_tokens": REPLAY_STEP_TOKENS, "kv_bytes_per_token": old.get("kv_bytes_per_token", 1024),
+        "max_batched_tokens": STEP_TOKENS, "kv_bytes_per_token": old.get("kv_bytes_per_token", 1024),
         "fit": {"prefill": p_fit, "decode": d_fit, **samples, "wall_s": time.monotonic() - t0},
     }  # fmt: skip
     a.out.write_text(json.dumps(profile, indent=2) + "\n")

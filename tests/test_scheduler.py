@@ -214,6 +214,22 @@ def test_capped_cold_prefill_reserves_its_prompt_and_never_preempts() -> None:
     core.check_invariants()
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_admitting_on_the_whole_prompt_keeps_chunked_prefills_from_preempting_each_other(whole: bool) -> None:
+    # 40 blocks x 16 = 640 tokens, 256 tokens a step, no cold cap: two 400-token prompts fit one at a time.
+    # Admitted on its first chunk (the default), b starts while a decodes and the two outgrow the pool (a
+    # preemption); admitted only while its whole prompt fits (vLLM's rule, admit_whole_prompt), b waits.
+    core = make_core(blocks=40, max_num_batched_tokens=256, cold_prefill_budget_tokens=256,
+                     admit_whole_prompt=whole)  # fmt: skip
+    rng = random.Random(6)
+    a = core.submit(rand_tokens(rng, 400), 40, session_id="a")  # decodes while b's prompt would run
+    b = core.submit(rand_tokens(rng, 400), 40, session_id="b")
+    core.run_until_idle()
+    assert len(a.output) == len(b.output) == 40
+    assert (core.scheduler.num_preemptions == 0) is whole
+    core.check_invariants()
+
+
 def test_preemption_when_running_request_cannot_grow() -> None:
     core = make_core(blocks=12)  # 12 blocks x 16 tokens = 192 tokens
     rng = random.Random(4)
