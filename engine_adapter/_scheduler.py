@@ -278,8 +278,11 @@ class Scheduler:
             whole = cold_pass and self.config.cold_prefill_budget_tokens < self.config.max_num_batched_tokens
             attached = self.kv.attach(s, tokens, plan)  # (sets the session's cached prefix first)
             reserve = max(len(s.token_ids) + chunk, len(tokens) if whole else 0)
-            whole_fits = not self.config.admit_whole_prompt or self.kv.can_allocate(
-                -(-len(tokens) // self.kv.block_size) - len(s.block_ids)
+            # (never on an idle step: a prompt the pool cannot hold whole still runs chunk by chunk)
+            whole_fits = (
+                not self.config.admit_whole_prompt
+                or (not self.running and not step.seqs)
+                or self.kv.can_allocate(-(-len(tokens) // self.kv.block_size) - len(s.block_ids))
             )
             if not attached or not whole_fits or not self.kv.ensure_slots(s, reserve):
                 if s.state is SessionState.RUNNING:
