@@ -81,6 +81,7 @@ if TYPE_CHECKING:
         ModeledExecutor,
     )
     from engine_adapter._profile import (
+        fit_nonneg,
         profile_torch_executor,
     )
     from engine_adapter._request import (
@@ -141,6 +142,7 @@ _LAZY: dict[str, str] = {
     "KVStats": "engine_adapter._kv_manager",
     "EngineMetrics": "engine_adapter._metrics",
     "ModeledExecutor": "engine_adapter._modeled_executor",
+    "fit_nonneg": "engine_adapter._profile",
     "profile_torch_executor": "engine_adapter._profile",
     "Request": "engine_adapter._request",
     "RequestState": "engine_adapter._request",
@@ -193,6 +195,7 @@ __all__ = [
     "VirtualClock",
     "build_engine",
     "bundled_profiles",
+    "fit_nonneg",
     "hash_block_tokens",
     "load_cost_model",
     "load_engine_config",

@@ -33,7 +33,9 @@ import itertools
 import json
 import math
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_adapter._profile import fit_nonneg
+from engine_adapter import fit_nonneg
 from engine_adapter.vllm_backend import (
     build_vllm_command,
     find_vllm_python,
@@ -162,16 +164,17 @@ def main() -> None:
     a = ap.parse_args()
     if a.repeats < 1:
         raise SystemExit(f"--repeats {a.repeats}: at least 1")
-    from replay._vllm_bench import _free_port, ensure_model
-
     python = a.vllm_python or find_vllm_python()
     if python is None:
         raise SystemExit("no Python with vLLM: scripts/install.sh vllm, or --vllm-python")
     state = Path(tempfile.mkdtemp(prefix="hintflow-cost-probe-"))
     model = a.model or state / "tiny-model"
-    ensure_model(python, model)
+    if not (model / "config.json").exists():  # the tiny model, built by the Python that has vLLM
+        subprocess.run([python, "-m", "hintflow", "make-tiny-model", str(model)], check=True, timeout=600)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    port = _free_port()
+    with socket.socket() as sock:  # a free loopback port for the server
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
     blocks = 16 * math.ceil(MAX_LEN / BLOCK) + 8  # every probe's prompts stay cached: nothing evicted
     argv, env = build_vllm_command(model, port=port, state_dir=state / "s", python=python, hintflow=False,
                                    extra_args=["--dtype", "float32", "--enforce-eager", "--max-model-len",
