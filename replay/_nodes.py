@@ -270,7 +270,11 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=spec.max_num_seqs,
                             cold_prefill_budget_tokens=cold,
                             ttft_deadline_s=spec.ttft_deadline_s if config.ttft_deadline else None,
-                            yield_pins_to_older=config.yield_pins)
+                            yield_pins_to_older=config.yield_pins,
+                            # every row admits as vLLM 0.32 does (``scheduler_reserve_full_isl``, on there
+                            # by default): at a small step budget, turns admitted on their first chunk
+                            # preempt each other for the later ones (docs/architecture.md)
+                            admit_whole_prompt=True)
     sched = dataclasses.replace(sched, **dict(config.scheduler_options))  # a variant's own settings win
     num_host_blocks = math.ceil(spec.num_host_tokens / bs) if config.host_tier else 0
     num_device_blocks = math.ceil(spec.num_device_tokens / bs)

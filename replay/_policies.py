@@ -1,7 +1,9 @@
 """The replay's registered configurations: one hint policy, one routing rule and one engine setup each.
 
 Every configuration runs on the same simulator, the same engine scheduler and the same modeled executor;
-what differs is only what the paper behind it changes.  Why each field exists:
+what differs is only what the paper behind it changes.  Every row's nodes admit a waiting turn only while
+the pool could hold its whole prompt, as vLLM 0.32 does (``SchedulerConfig.admit_whole_prompt``; a variant's
+``scheduler.admit_whole_prompt=false`` gives the first-chunk rule back).  Why each field exists:
 
 * ``hint_policy`` / ``routing``: names in ``orchestrator.POLICIES`` / ``ROUTING_POLICIES``.
 * ``retain_contexts``: False reproduces vLLM (a finished turn's blocks go to the LRU free queue, still

@@ -8,8 +8,8 @@ with ``vanilla+host`` (the stock scheduler with the same tier), which the report
 nodes' host tier saves as the real connector did (``--host-save``: on eviction, or write-through with
 LRU drops). Step 1 fits the replay's cost model to this sitting: the ``cpu-vllm-tiny`` profile (the
 step's shape as ``scripts/vllm_cost_probe.py`` measured it on an idle stock server: prefill with
-attention's quadratic term, decode by streams and context, vLLM's 2,048-token step budget; every node
-admits as vLLM does, ``VLLM_ADMISSION``) with its
+attention's quadratic term, decode by streams and context, vLLM's 2,048-token step budget; every replay
+node admits as vLLM does) with its
 prefill and its decode parts each scaled on a grid so that the replayed ``vllm-default`` matches the
 measured ``vanilla`` (mean and p90 JCT, TTFT p50): this shared VM's speed moves by 2.5x between
 sittings, and a loaded node is not an idle one; and,
@@ -40,15 +40,11 @@ from typing import Any
 from engine_adapter.vllm_backend import AGING_S, PIN_BUDGET, PIN_BUDGET_WITH_HOST
 from replay import ReplaySetup, get_replay_config, parse_variant, report_json, run_replay
 
-VLLM_ADMISSION = "scheduler.admit_whole_prompt=true"
-"""Every mirror, stock's too, admits a turn as vLLM 0.32 does: only while the pool could hold its whole
-prompt (``scheduler_reserve_full_isl``), not only the first chunk of its 2,048-token step budget."""
-
 
 def _node(aging_s: float) -> str:
     return (
         f"pin_budget={PIN_BUDGET},scheduler.program_fcfs_aging_s={aging_s},yield_pins=true,"
-        f"cold_prefill_cap=false,migrate=false,{VLLM_ADMISSION}"
+        "cold_prefill_cap=false,migrate=false"
     )
 
 
@@ -107,12 +103,12 @@ def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None
         aging = spec.partition("scheduler.program_fcfs_aging_s=")[2].partition(",")[0]
         spec += "," + _admission(aging)
     if not host:
-        return spec if "=" in spec else f"node.{mode}={spec}:{VLLM_ADMISSION}"
+        return spec
     if "=" in spec:
         return spec.replace(f"node.{base}=", f"node.{mode}=", 1) + f",{HOST[host_save]}"
     # Stock vLLM keeps a finished request's blocks in its prefix cache until they are reused, and the
     # connector saves what that reuse evicts: in the replay, a retained context evicted in LRU order.
-    return f"node.{mode}={spec}:{HOST[host_save]},retain_contexts=true,{VLLM_ADMISSION}"
+    return f"node.{mode}={spec}:{HOST[host_save]},retain_contexts=true"
 
 
 NODE_ENV = ("HINTFLOW_ADMIT_GUARD", "HINTFLOW_ADMIT_MAX_WAIT_S", "HINTFLOW_ADMIT_FRACTION",
