@@ -424,7 +424,7 @@ def test_bracketed_sitting_runs_stock_between_modes_and_reports_the_sequence(
 def test_bracket_without_its_stock_mode_is_refused_before_anything_starts(tmp_path: Path) -> None:
     from replay._vllm_backend import run_vllm_replay
 
-    with pytest.raises(ValueError, match="add vanilla to the policies.*kvflow"):
+    with pytest.raises(ValueError, match=r"add vanilla to the policies \(kvflow would"):
         run_vllm_replay(workload="swe-agent", num_programs=2, vllm_python="/bin/true", model=tmp_path / "absent",
                         state_dir=tmp_path / "s", modes=["kvflow", "vanilla+host", "hintflow-infer+host"],
                         bracket=True)  # fmt: skip
