@@ -65,9 +65,18 @@ PUSHED_POLICY = {"hintflow-orchestrator": "hintflow", "continuum": "continuum", 
                  "thunderagent": "thunderagent"}
 """Modes in which an orchestrator policy pushes hints over gRPC to hintflow's vLLM node (the same hint path
 for ours and the baselines; the node infers nothing for a session that gets hints)."""
-MODE_ENV = {"kvflow": {"HINTFLOW_PRIORITY_AGING_S": "0"}}
-"""The node's settings a mode implies: KVFlow orders requests FCFS (no program-level priority; with no head
-start for older programs the node's priority order is arrival order)."""
+_NO_INFERENCE = {"HINTFLOW_INFER_HINTS": "0"}
+MODE_ENV = {
+    "continuum": _NO_INFERENCE,
+    "kvflow": {**_NO_INFERENCE, "HINTFLOW_PRIORITY_AGING_S": "0"},
+    "thunderagent": _NO_INFERENCE,
+}
+"""The node's settings a mode implies. A baseline's node infers no hints of its own: only the policy's
+pushed hints act (with inference on, the node pinned a session at its first turn's end until the pusher's
+first hint for it, hintflow's mechanism in a baseline's run: kvflow was 1.08x / 1.05x stock's mean / p90
+JCT with it and 1.01x / 1.01x without, one bracketed sitting, docs/benchmarks.md). KVFlow orders requests
+FCFS (no program-level priority; with no head start for older programs the node's priority order is
+arrival order)."""
 
 _IPC_PATH_MAX = 107
 """A Unix socket's path at most (``sockaddr_un.sun_path``): a deeper state dir gets its sockets in a short
