@@ -217,8 +217,7 @@ def run_vllm_replay(
     from replay._vllm_workload import BLOCK, MAX_OUTPUT, agent_programs, pool_blocks_for
 
     # before anything starts: a bracketed sitting without its stock mode would run unbracketed
-    alone = [m for m in modes if m not in ("vanilla", "vanilla+host") and stock_of(m, modes) is None]
-    if bracket and alone:
+    if bracket and (alone := [m for m in modes if m not in ("vanilla", "vanilla+host") and stock_of(m, modes) is None]):
         raise ValueError(f"--bracket runs stock vLLM either side of every other mode: add vanilla to the "
                          f"policies ({', '.join(alone)} would have no stock run to compare with)")
     kind = workload.partition(":")[0]

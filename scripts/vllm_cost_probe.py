@@ -10,7 +10,7 @@ context (a few hundred new tokens attending over thousands of cached ones) the p
 whole prompt's average. And the CPU build's server computes at most 2,048 tokens a step and admits a
 turn only while its whole prompt fits (vLLM's ``scheduler_reserve_full_isl``): at that budget, with
 admission on the first chunk alone, the replay's nodes preempted fifty times as often as vLLM
-(``SchedulerConfig.admit_whole_prompt``, which ``vllm_predict`` now sets). This probe measures the shape,
+(``SchedulerConfig.admit_whole_prompt``, which every replay node now runs with). This probe measures the shape,
 on an idle stock server of the same model, one request (or one batch) at a time:
 
 - prefill: ``n`` fresh tokens (a prompt no earlier one shares a block with), ``max_tokens=1``, the time to
