@@ -8,15 +8,17 @@ re-prefilled a tail about 130 tokens longer than the last, and the programs that
 for memory.  So a program new to the node starts only while the in-flight programs' contexts plus its
 prompt fit in ``fraction`` of the pool (device and host tier: a context the device evicts to the host
 is kept, not lost), unless the engine would otherwise idle (work conservation) or it
-has waited ``max_wait_s`` (the node's program-FCFS aging bound by default).
+has waited ``max_wait_s`` (on the vLLM node ``ADMIT_MAX_WAIT_S``, 10 s, without a host tier; the aging
+bound with one).
 
-How long the hold is matters less than it seems: a first turn waits in the queue too, behind pinned turns
-and (up to the aging bound) older programs' ones, and the guard sees it only when the queue reaches it.
-On the real vLLM node (trace B, every mode) the guard held first turns only in the first 10-20 s of a run;
-after that every first turn it admitted had already waited longer than the hold. A hold that followed the
-wait of returning turns that lost their context (``auto``, c61d9a8 to 651a2f6) was the
-1 s floor whenever it held anything, so it came out (docs/benchmarks.md, "How long the admission guard
-holds a new program").
+How long the hold is: a first turn waits in the queue too, behind pinned turns and (up to the aging
+bound) older programs' ones, and the guard sees it only when the queue reaches it. With a 1 s hold the
+real vLLM node (trace B, every mode) held first turns only in the first 10-20 s of a run; after that every
+first turn it admitted had already waited longer than the hold. A 10 s hold, about the wait stock's request
+FCFS gives every turn at the load peak, binds through the peak: mean JCT 5-7% and p99 TTFT 16-20% lower
+than the 1 s hold's, device-only (docs/benchmarks.md, "The admission hold, again"). A hold that followed the
+wait of returning turns that lost their context (``auto``, c61d9a8 to 651a2f6) was the 1 s floor whenever
+it held anything, so it came out (docs/benchmarks.md, "How long the admission guard holds a new program").
 
 Both engines ask :func:`admit_verdict`; each counts its in-flight programs from its own session book
 (:func:`working_set` for the embedded node, ``vllm_backend/_admission.py`` for vLLM) by the same rule:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_adapter.vllm_backend import (
+    AGING_S,
     HOST_RELOAD_S_PER_TOKEN,
     REPO,
     build_vllm_command,
@@ -65,10 +66,10 @@ PUSHED_POLICY = {"hintflow-orchestrator": "hintflow", "continuum": "continuum", 
                  "thunderagent": "thunderagent"}
 """Modes in which an orchestrator policy pushes hints over gRPC to hintflow's vLLM node (the same hint path
 for ours and the baselines; the node infers nothing for a session that gets hints)."""
-_NO_INFERENCE = {"HINTFLOW_INFER_HINTS": "0"}
+_NO_INFERENCE = {"HINTFLOW_INFER_HINTS": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": str(AGING_S)}
 MODE_ENV = {
     "continuum": _NO_INFERENCE,
-    "kvflow": {**_NO_INFERENCE, "HINTFLOW_PRIORITY_AGING_S": "0"},
+    "kvflow": {**_NO_INFERENCE, "HINTFLOW_PRIORITY_AGING_S": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": "0"},
     "thunderagent": _NO_INFERENCE,
 }
 """The node's settings a mode implies. A baseline's node infers no hints of its own: only the policy's
@@ -76,7 +77,9 @@ pushed hints act (with inference on, the node pinned a session at its first turn
 first hint for it, hintflow's mechanism in a baseline's run: kvflow was 1.08x / 1.05x stock's mean / p90
 JCT with it and 1.01x / 1.01x without, one bracketed sitting, docs/benchmarks.md). KVFlow orders requests
 FCFS (no program-level priority; with no head start for older programs the node's priority order is
-arrival order)."""
+arrival order). The node's program admission holds a baseline's new programs no longer than its aging
+bound (as every mode was measured before hintflow's own hold became ``ADMIT_MAX_WAIT_S``): a hold that
+binds is hintflow's mechanism too."""
 
 _IPC_PATH_MAX = 107
 """A Unix socket's path at most (``sockaddr_un.sun_path``): a deeper state dir gets its sockets in a short

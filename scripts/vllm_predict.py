@@ -83,25 +83,32 @@ def _setup(real: dict[str, Any], cost_model: str, *, host: bool = False) -> Repl
                        host_capacity_tokens=(cfg.get("host_capacity_tokens") or 0) if host else 0)  # fmt: skip
 
 
-def _admission(aging_s: str) -> str:
+def _admission(max_wait_s: str) -> str:
     """The vLLM node's admission guard (on by default; with a host tier since the commit after a902ceb): a new program
-    waits while the programs in flight fill the pool, at most the node's aging bound (``HINTFLOW_ADMIT_MAX_WAIT_S``;
-    from 04a0853 until it was taken out, ``auto``, whose hold was that bound whenever it held)."""
-    return f"scheduler.admit_fraction=1.0,scheduler.admit_max_wait_s={aging_s}"
+    waits while the programs in flight fill the pool, at most ``max_wait_s`` (``HINTFLOW_ADMIT_MAX_WAIT_S``: the
+    aging bound until ``ADMIT_MAX_WAIT_S`` became hintflow's device-only hold; from 04a0853 until it was taken out,
+    ``auto``, whose hold was that bound whenever it held)."""
+    return f"scheduler.admit_fraction=1.0,scheduler.admit_max_wait_s={max_wait_s}"
 
 
-def _mirror(mode: str, host_save: str = "evict", pin_budget: float | None = None, host_guard: bool = True) -> str:
+def _mirror(
+    mode: str, host_save: str = "evict", pin_budget: float | None = None, host_guard: bool = True,
+    admit_wait_s: float | None = None,
+) -> str:
     """The replay spec of a real mode; ``BASE+host`` is BASE's node with a host tier (named apart).
     ``pin_budget``: the one the real run gave every node (its report's ``config.pin_budget``; None: the
     node's own default, by host tier). ``host_guard``: whether the node ran its admission guard with a
-    host tier (off in reports before the commit after a902ceb)."""
+    host tier (off in reports before the commit after a902ceb). ``admit_wait_s``: the longest admission
+    hold of a hintflow node without a host tier (its report's ``config.admit_max_wait_s``; None, reports
+    before it was recorded: the aging bound, as the baselines' nodes keep it)."""
     host = mode.endswith("+host")
     budget = pin_budget if pin_budget is not None else PIN_BUDGET_WITH_HOST if host else PIN_BUDGET
     base = mode.removesuffix("+host")
     spec = MIRRORS[base].replace(f"pin_budget={PIN_BUDGET}", f"pin_budget={budget}")
     if "=" in spec and (host_guard or not host):  # a hintflow node: its admission guard
         aging = spec.partition("scheduler.program_fcfs_aging_s=")[2].partition(",")[0]
-        spec += "," + _admission(aging)
+        own = base.startswith("hintflow") and not host and admit_wait_s is not None
+        spec += "," + _admission(str(admit_wait_s) if own else aging)
     if not host:
         return spec
     if "=" in spec:
@@ -140,11 +147,12 @@ def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
 
 
 def _variant_mirror(
-    name: str, variant: dict[str, Any], host_save: str, pin_budget: float | None, host_guard: bool = True
+    name: str, variant: dict[str, Any], host_save: str, pin_budget: float | None, host_guard: bool = True,
+    admit_wait_s: float | None = None,
 ) -> str:
     """A ``--variant`` of a real mode (its report's ``config.variants``): the mode's mirror, named apart,
     with the variant's policy options and node settings (``NODE_ENV``) on top of the mirror's own."""
-    spec = _mirror(variant["mode"], host_save, pin_budget, host_guard)
+    spec = _mirror(variant["mode"], host_save, pin_budget, host_guard, admit_wait_s)
     if "=" not in spec:
         raise SystemExit(f"variant {name}: its mode {variant['mode']} pushes no policy to mirror")
     base, _, opts = spec.partition("=")[2].partition(":")
@@ -199,7 +207,7 @@ def calibrate(
               if m.endswith("+host") == host and m.removesuffix("+host") in MIRRORS and row.get("node_prefill_share")]
     share_mode, share = shares[0] if shares else (None, None)
     specs = [_mirror(ref, host_save, budget)] + (
-        [_mirror(share_mode, host_save, budget, host_guard)] if share_mode else []
+        [_mirror(share_mode, host_save, budget, host_guard, real["config"].get("admit_max_wait_s"))] if share_mode else []
     )
     best: tuple[float, str, dict[str, float]] | None = None
     for i, (b, d) in enumerate(itertools.product(PREFILL_SCALE, DECODE_SCALE)):
@@ -265,8 +273,9 @@ def main() -> None:
             budget = real["config"].get("pin_budget")
             if budget is None and not host:
                 budget = a.device_pin_budget
-            specs = [_variant_mirror(m, variants[m], a.host_save, budget, host_guard) if m in variants
-                     else _mirror(m, a.host_save, budget, host_guard) for m in group]
+            wait = real["config"].get("admit_max_wait_s")
+            specs = [_variant_mirror(m, variants[m], a.host_save, budget, host_guard, wait) if m in variants
+                     else _mirror(m, a.host_save, budget, host_guard, wait) for m in group]
             got = _replay(_setup(real, path, host=host), specs)
             names = [s.partition("=")[0] if "=" in s else s for s in specs]
             pred.update({m: got[n] for m, n in zip(group, names, strict=True)})

@@ -149,6 +149,7 @@ def _pin_and_flood(model: str, depth: int) -> dict[str, Any]:
     report: dict[str, Any] = {
         "class": type(sched).__name__, "pinned": pinned, "hit_a": engine.hits[ra.request_id],
         "hit_b": engine.hits[rb.request_id], "admitted_fit": sched.admit_stats["fit"],
+        "admit_max_wait_s": sched.admit_max_wait_s, "host_tier": sched.host_tier is not None,
     }  # fmt: skip
     for i in range(3):
         engine.run(request(_prompt(20 + i, 6 * BS + 2), f"g{i}"))
@@ -234,6 +235,17 @@ def test_the_rules_go_in_front_of_both_of_vllms_schedulers(report: dict[str, Any
 def test_the_auto_class_builds_the_one_that_matches_the_engine(report: dict[str, Any]) -> None:
     assert report["async"]["class"] == "HintflowAsyncScheduler"
     assert report["sync"]["class"] == "HintflowScheduler"
+
+
+def test_a_node_without_a_host_tier_holds_new_programs_for_its_own_default(report: dict[str, Any]) -> None:
+    """Program admission's longest hold: ADMIT_MAX_WAIT_S on a node without a host tier (not the aging
+    bound, which a node with the host tier keeps), whatever the scheduler class."""
+    from engine_adapter.vllm_backend import ADMIT_MAX_WAIT_S, AGING_S
+
+    assert ADMIT_MAX_WAIT_S != AGING_S
+    for mode in ("async", "sync"):
+        assert report[mode]["host_tier"] is False
+        assert report[mode]["admit_max_wait_s"] == ADMIT_MAX_WAIT_S
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

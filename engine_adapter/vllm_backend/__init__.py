@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         missing_internals,
     )
     from engine_adapter.vllm_backend._hint_scheduler import (
+        ADMIT_MAX_WAIT_S,
         AGING_S,
         PIN_BUDGET,
         PIN_BUDGET_WITH_HOST,
@@ -61,6 +62,7 @@ _LAZY: dict[str, str] = {
     "TESTED_VLLM_VERSION": "engine_adapter.vllm_backend._compat",
     "check_vllm_python": "engine_adapter.vllm_backend._compat",
     "missing_internals": "engine_adapter.vllm_backend._compat",
+    "ADMIT_MAX_WAIT_S": "engine_adapter.vllm_backend._hint_scheduler",
     "AGING_S": "engine_adapter.vllm_backend._hint_scheduler",
     "PIN_BUDGET": "engine_adapter.vllm_backend._hint_scheduler",
     "PIN_BUDGET_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
@@ -85,6 +87,7 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "ADMIT_MAX_WAIT_S",
     "AGING_S",
     "ASYNC_SCHEDULER_CLS",
     "AUTO_SCHEDULER_CLS",
