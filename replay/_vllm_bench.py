@@ -66,11 +66,11 @@ PUSHED_POLICY = {"hintflow-orchestrator": "hintflow", "continuum": "continuum", 
                  "thunderagent": "thunderagent"}
 """Modes in which an orchestrator policy pushes hints over gRPC to hintflow's vLLM node (the same hint path
 for ours and the baselines; the node infers nothing for a session that gets hints)."""
-_NO_INFERENCE = {"HINTFLOW_INFER_HINTS": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": str(AGING_S)}
+_BASELINE_NODE = {"HINTFLOW_INFER_HINTS": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": str(AGING_S)}
 MODE_ENV = {
-    "continuum": _NO_INFERENCE,
-    "kvflow": {**_NO_INFERENCE, "HINTFLOW_PRIORITY_AGING_S": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": "0"},
-    "thunderagent": _NO_INFERENCE,
+    "continuum": _BASELINE_NODE,
+    "kvflow": {**_BASELINE_NODE, "HINTFLOW_PRIORITY_AGING_S": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": "0"},
+    "thunderagent": _BASELINE_NODE,
 }
 """The node's settings a mode implies. A baseline's node infers no hints of its own: only the policy's
 pushed hints act (with inference on, the node pinned a session at its first turn's end until the pusher's
