@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from ._queue_place import WARM_THRESHOLD_TOKENS
+
 if TYPE_CHECKING:
     from ._engine import EngineCore
 
@@ -47,7 +49,8 @@ class SchedulerSettings(_Section):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     cold_prefill_budget_tokens: int = Field(default=512, ge=0)
-    warm_threshold_tokens: int = Field(default=256, ge=0)
+    warm_threshold_tokens: int = Field(default=WARM_THRESHOLD_TOKENS, ge=0)
+    warm_first: bool = True
     program_fcfs_aging_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     ttft_deadline_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     admission_lookahead: int = Field(default=64, ge=1)

@@ -78,6 +78,7 @@ class EngineCore:
         eviction_policy: str = "hinted",
         retain_contexts: bool = True,
         host_write_through: bool = False,
+        evict_queued: bool = False,
         node_id: str = "",
         model_name: str = "hintflow-tiny",
         pace_modeled: bool = False,
@@ -97,6 +98,7 @@ class EngineCore:
             eviction_policy=eviction_policy,
             retain_contexts=retain_contexts,
             host_write_through=host_write_through,
+            evict_queued=evict_queued,
         )
         self.scheduler = Scheduler(self.kv, self.clock, scheduler_config)
         self.scheduler.on_finish = self._on_finish

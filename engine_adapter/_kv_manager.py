@@ -92,8 +92,10 @@ class KVCacheManager(HostTier):
         dev: list[int] = []
         if plan.host:
             # The plan reloads these host blocks: the offloads this allocation causes must not take them
-            # for their copies (they would overwrite KV this session is about to read back).
+            # for their copies (they would overwrite KV this session is about to read back); nor may they
+            # evict this session's own device prefix (a queued context is evictable with evict_queued).
             self._host_holders.discard(s)
+            self._device_evictable.discard(s)
             got = self.allocate_device(len(plan.host), exclude=s)
             if got is None:
                 for bid, own in plan.device:

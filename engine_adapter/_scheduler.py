@@ -35,6 +35,7 @@ from ._program_admission import (
     admit_verdict,
     working_set,
 )
+from ._queue_place import WARM_THRESHOLD_TOKENS, is_warm
 from ._request import Request, RequestState
 from ._session import SessionState
 
@@ -65,7 +66,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     cold_prefill_budget_tokens: int = 512
-    warm_threshold_tokens: int = 256
+    warm_threshold_tokens: int = WARM_THRESHOLD_TOKENS
+    # False: one admission pass in queue order, every waiting turn counted warm (vLLM's FCFS, where a
+    # resume whose context survived waits behind cold prompts; the replay's stock rows and the mirrors of
+    # nodes that lack the rule). True (ours): warm turns first (``_queue_place.is_warm``).
+    warm_first: bool = True
     # Program-level FCFS gives an older program's turns precedence over a newer one's; with aging, that
     # head start is at most this many seconds, so a young program's first turns cannot wait behind every
     # older program's later turns.  None: strict program FCFS (Continuum's order).
@@ -259,7 +264,9 @@ class Scheduler:
             if not req.admitted:  # (after a preemption the plan includes this turn's own tokens)
                 req.num_history_tokens = max(req.num_history_tokens, plan.num_history_tokens)
             uncached = len(tokens) - plan.num_hit_tokens
-            cold = uncached > self.config.warm_threshold_tokens
+            cold = self.config.warm_first and not is_warm(
+                len(tokens), plan.num_hit_tokens, self.config.warm_threshold_tokens
+            )
             if cold and self.config.resumes_are_warm and (s.num_turns or req.admitted):
                 cold = False  # a turn of a session this node served: a resume, whatever it recomputes
             if cold != cold_pass:

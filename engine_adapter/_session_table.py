@@ -75,6 +75,7 @@ class SessionTable:
         eviction_policy: str = "hinted",
         retain_contexts: bool = True,
         host_write_through: bool = False,
+        evict_queued: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -91,6 +92,10 @@ class SessionTable:
         # whatever the hints say; False (ours) copies a block out only when the device evicts it.
         self.host_write_through = host_write_through and num_host_blocks > 0
         self._host_policy = get_eviction_policy("lru") if self.host_write_through else self.policy
+        # True models vLLM's prefix cache: a queued turn holds no blocks, so its context stays in the
+        # eviction order where its last turn left it (parked and queued contexts alike); False (ours)
+        # evicts a queued turn's context only when no parked one is left (``allocate_device``).
+        self.evict_queued = evict_queued
         self.host_hits = HostHitShare()  # what the host tier gave back of evicted contexts (KVCacheManager.attach)
         self.unpinned_survival = UnpinnedSurvival()  # what the device kept of contexts no pin held (attach)
         self.sessions: dict[str, Session] = {}
@@ -137,7 +142,8 @@ class SessionTable:
         if unpinned > 0:
             self._evictable[s] = unpinned
         self.num_evictable_blocks += max(unpinned, 0) - before
-        if s.state is SessionState.PARKED and len(s.block_ids) > s.pinned_blocks:
+        idle = s.state is SessionState.PARKED or (self.evict_queued and s.state is SessionState.WAITING)
+        if idle and len(s.block_ids) > s.pinned_blocks:
             self._device_evictable.set(s, self.policy.ref_time(s))
         else:
             self._device_evictable.discard(s)

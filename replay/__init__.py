@@ -48,12 +48,14 @@ if TYPE_CHECKING:
     )
     from replay._setup import WORKLOAD_DEFAULTS, ReplaySetup, estimate_live_context_tokens, run_replay
     from replay._sim import SimResult, Simulation
+    from replay._vllm_bench import MODE_ENV
     from replay._vllm_bench import main as vllm_bench_main
 
 __all__ = [
     "ANALYSIS_ROWS",
     "GENERATORS",
     "JOIN_KINDS",
+    "MODE_ENV",
     "MOONCAKE_BLOCK_SIZE",
     "REPLAY_CONFIGS",
     "REQUIRED_KEYS",
@@ -114,6 +116,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "NodeSpec": ("replay._nodes", "NodeSpec"),
     **{n: ("replay._cli", n) for n in ("replay_command", "writable_parent")},
     "vllm_bench_main": ("replay._vllm_bench", "main"),
+    "MODE_ENV": ("replay._vllm_bench", "MODE_ENV"),
 }
 
 

@@ -21,6 +21,12 @@ the pool could hold its whole prompt, as vLLM 0.32 does (``SchedulerConfig.admit
   prefix cache keeps a finished request's blocks until they are reused, and only a retained context can
   be reloaded from the host tier once the device has reused its blocks: the replay's row without
   retention gains nothing from the tier.
+* ``evict_queued``: a queued turn's retained context is evicted as a parked one, in the same order (vLLM's
+  prefix cache: a waiting request holds no blocks); off, the embedded node keeps queued turns' contexts
+  while a parked one is left. Off on every row; ``scripts/vllm_predict.py`` sets it for its mirrors of
+  real vLLM nodes, with ``scheduler.warm_first=false`` where the node has no warm-first rule. (Both are
+  embedded-node rules every row shares, stock ones included: measured with the fitted mirror of trace B
+  they were what made stock vLLM with a short host tier replay at 47-54% hits against 11-16% measured.)
 * ``cold_prefill_cap``: the hintflow engine's cap on cold prefills while warm work shares a step; vLLM
   (and the systems built on it) have no such cap, so the baselines run with the whole step budget.
   ``hintflow`` runs with it, as the engine ships.  Measured both ways: on the replay's workloads, which
@@ -94,6 +100,7 @@ class ReplayConfig:
     eviction_policy: str
     host_tier: bool
     host_write_through: bool = False  # the host tier as vLLM's connectors fill it (see the docstring)
+    evict_queued: bool = False  # a queued turn's context evicted as a parked one (see the docstring)
     cold_prefill_cap: bool = False
     infinite_kv: bool = False
     thunderagent_controller: bool = False

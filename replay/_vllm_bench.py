@@ -66,7 +66,7 @@ PUSHED_POLICY = {"hintflow-orchestrator": "hintflow", "continuum": "continuum", 
                  "thunderagent": "thunderagent"}
 """Modes in which an orchestrator policy pushes hints over gRPC to hintflow's vLLM node (the same hint path
 for ours and the baselines; the node infers nothing for a session that gets hints)."""
-_BASELINE_NODE = {"HINTFLOW_INFER_HINTS": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": str(AGING_S)}
+_BASELINE_NODE = {"HINTFLOW_INFER_HINTS": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": str(AGING_S), "HINTFLOW_WARM_FIRST": "0"}
 MODE_ENV = {
     "continuum": _BASELINE_NODE,
     "kvflow": {**_BASELINE_NODE, "HINTFLOW_PRIORITY_AGING_S": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": "0"},

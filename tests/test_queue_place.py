@@ -59,7 +59,52 @@ def test_both_engines_order_the_scene_alike(aging_s: float, order: list[str]) ->
 
 
 def test_the_place_itself() -> None:
-    assert queue_place(0.0, 20.0, pinned=False) == (1, 0.0)  # strict program FCFS
-    assert queue_place(0.0, 20.0, pinned=False, aging_s=3.0) == (1, 17.0)
+    assert queue_place(0.0, 20.0, pinned=False) == (2, 0.0)  # strict program FCFS
+    assert queue_place(0.0, 20.0, pinned=False, aging_s=3.0) == (2, 17.0)
+    assert queue_place(0.0, 20.0, pinned=False, warm=True) == (1, 0.0)
+    assert queue_place(0.0, 20.0, pinned=True, warm=True) == (0, 0.0)
     assert queue_place(0.0, 20.0, pinned=True, aging_s=3.0) == (0, 17.0)
     assert queue_place(5.0, 20.0, pinned=True, aging_s=math.inf) == (0, 5.0)
+
+
+# ---- warm first ------------------------------------------------------------------------------------------
+
+
+def test_a_turn_is_warm_while_little_of_its_prompt_is_left_to_compute() -> None:
+    from engine_adapter._queue_place import WARM_THRESHOLD_TOKENS, is_warm
+
+    assert is_warm(2000, 2000 - WARM_THRESHOLD_TOKENS)
+    assert not is_warm(2000, 2000 - WARM_THRESHOLD_TOKENS - 1)
+    assert is_warm(100, 0)  # a short prompt costs little whatever is cached
+
+
+def test_the_vllm_nodes_cached_run_is_found_on_the_device_then_on_the_host() -> None:
+    """``_warm.num_cached_tokens``: the device's prefix, then the host tier's run right after it, by
+    bisection; the last prompt token never counts (vLLM always computes it)."""
+    from engine_adapter.vllm_backend._warm import num_cached_tokens
+
+    hashes = list(range(10))  # a prompt of 10 full blocks of 4 tokens, plus 2 tokens
+    device = {0, 1, 2}.__contains__
+    host = {3, 4, 5, 6}.__contains__
+    assert num_cached_tokens(hashes, 42, 4, device) == 12
+    assert num_cached_tokens(hashes, 42, 4, device, host) == 28
+    assert num_cached_tokens(hashes, 42, 4, lambda h: False, host) == 0  # a host run must start at block 0
+    assert num_cached_tokens(hashes, 40, 4, lambda h: True) == 36  # the last token's block is computed
+    assert num_cached_tokens([], 3, 4, lambda h: True) == 0
+    # a prompt whose every block is held: found in O(log n) probes, not one per block
+    probes: list[int] = []
+    assert num_cached_tokens(list(range(1024)), 4097, 4, lambda h: probes.append(h) is None) == 4096
+    assert len(probes) <= 11
+
+
+def test_the_vllm_node_puts_a_warm_turn_in_the_pinned_band() -> None:
+    """A warm turn of a younger program goes ahead of an older program's cold one (``priority_for``)."""
+    host: Any = SimpleNamespace(
+        _priority_policy=lambda: True, _req_start={}, book=SimpleNamespace(clock=lambda: 5.0),
+        aging_s=math.inf, pinned_first=True, _epoch_s=0.0,
+    )  # fmt: skip
+    old = VSession("old-s", "old", first_seen_s=0.0, last_active_s=4.0, program_start_s=0.0)
+    young = VSession("young-s", "young", first_seen_s=3.0, last_active_s=4.0, program_start_s=3.0)
+    cold_old = HintSchedulerMixin.priority_for(host, old, 0, "r0")
+    assert HintSchedulerMixin.priority_for(host, young, 0, "r1") > cold_old
+    assert HintSchedulerMixin.priority_for(host, young, 0, "r2", warm=True) < cold_old

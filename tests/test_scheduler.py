@@ -590,3 +590,47 @@ def test_a_pin_says_whether_it_holds_blocks_now_later_or_not_at_all() -> None:
     [empty] = core.apply_hints([Pin(session_id="gone", ttl_s=60.0)])
     assert empty.ok and empty.pinned_blocks == 0 and not empty.deferred and not empty.holds
     core.check_invariants()
+
+
+@pytest.mark.parametrize("warm_first", [True, False])
+def test_a_warm_resume_goes_ahead_of_an_older_programs_cold_turn_unless_warm_first_is_off(warm_first: bool) -> None:
+    # One seat: the first turn admitted is the one the queue rule puts first. The older program's turn is a
+    # cold 600-token prompt; the younger one's resume has its 40-token context cached and adds 4 tokens.
+    core = make_core(max_num_seqs=1, warm_first=warm_first)  # type: ignore[arg-type]
+    rng = random.Random(21)
+    core.submit(rand_tokens(rng, 8), 1, session_id="old", program_id="old")
+    core.run_until_idle()
+    p1 = rand_tokens(rng, 40)
+    first = core.submit(p1, 1, session_id="young", program_id="young")
+    core.run_until_idle()
+    cold = core.submit(rand_tokens(rng, 600), 1, session_id="old-2", program_id="old")
+    warm = core.submit(p1 + first.output + rand_tokens(rng, 4), 1, session_id="young")
+    core.step()
+    assert (warm.admitted, cold.admitted) == ((True, False) if warm_first else (False, True))
+    core.run_until_idle()
+    assert warm.num_recomputed_tokens == 0 and cold.num_cached_tokens == 0
+    core.check_invariants()
+
+
+@pytest.mark.parametrize("evict_queued", [False, True])
+def test_a_queued_turns_context_is_evicted_last_unless_evict_queued(evict_queued: bool) -> None:
+    # "b" ran first, then "a": LRU would take b's context first. b's next turn waits behind a long decode
+    # (one seat) whose growth evicts: the embedded node keeps the queued turn's context while a parked one
+    # is left; with evict_queued (vLLM's prefix cache: a queued request holds nothing) b's goes first.
+    ex = make_torch_executor(num_device_blocks=12)
+    core = EngineCore(ex, clock=VirtualClock(), scheduler_config=SchedulerConfig(max_num_seqs=1),
+                      evict_queued=evict_queued)  # fmt: skip
+    bs = core.block_size
+    rng = random.Random(22)
+    pb, pa = rand_tokens(rng, 3 * bs), rand_tokens(rng, 3 * bs)
+    rb = core.submit(pb, 1, session_id="b", program_id="b")
+    core.run_until_idle()
+    core.submit(pa, 1, session_id="a", program_id="a")
+    core.run_until_idle()
+    core.submit(rand_tokens(rng, 8), 7 * bs, session_id="long", program_id="long")  # 8 blocks of 12: evicts 2
+    core.step()
+    resume = core.submit(pb + rb.output + rand_tokens(rng, 2), 1, session_id="b")
+    core.run_until_idle()
+    # two blocks evicted: b's last two (LRU) with evict_queued, else a's (the parked one)
+    assert resume.num_cached_tokens == (1 if evict_queued else 3) * bs
+    core.check_invariants()

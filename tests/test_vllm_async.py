@@ -165,6 +165,30 @@ def _pin_and_flood(model: str, depth: int) -> dict[str, Any]:
     return report
 
 
+def _warm_first(model: str) -> dict[str, Any]:
+    """An older program's cold turn and a younger one's warm resume, queued together: which goes first with
+    the warm-first rule and without (strict program FCFS), and what the resume found cached."""
+    sched, request = _scheduler(model, engine_async=False)
+    engine = _Engine(sched, 1)
+    sched.admit_guard, sched.aging_s = False, float("inf")
+    engine.run(request(_prompt(5, BS), "old"))
+    a = _prompt(4, 5 * BS + 10)
+    engine.run(request(a, "young"))
+    cold, warm = request(_prompt(6, 4 * BS), "old"), request([*a, 7, 8], "young")
+    out: dict[str, Any] = {"is_warm": [sched.is_warm(warm), sched.is_warm(cold)]}
+    sched.add_request(cold)
+    sched.add_request(warm)
+    out["warm_ahead_on"] = warm.priority < cold.priority
+    sched.warm_first = False
+    sched._sync_pinned_band()
+    out["warm_ahead_off"] = warm.priority < cold.priority
+    sched.warm_first = True
+    sched._sync_pinned_band()
+    engine.run()
+    out["warm_hit"] = engine.hits[warm.request_id]
+    return out
+
+
 def _classes() -> dict[str, Any]:
     """Where each method that matters resolves in the two classes, against vLLM's real bases."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
@@ -187,7 +211,8 @@ def _classes() -> dict[str, Any]:
 
 
 def _report(model: str) -> dict[str, Any]:
-    return {"classes": _classes(), "async": _pin_and_flood(model, 2), "sync": _pin_and_flood(model, 1)}
+    return {"classes": _classes(), "async": _pin_and_flood(model, 2), "sync": _pin_and_flood(model, 1),
+            "warm": _warm_first(model)}
 
 
 # ---- the tests (here: the report comes from the vLLM venv) -----------------------------------------------
@@ -246,6 +271,16 @@ def test_a_node_without_a_host_tier_holds_new_programs_for_its_own_default(repor
     for mode in ("async", "sync"):
         assert report[mode]["host_tier"] is False
         assert report[mode]["admit_max_wait_s"] == ADMIT_MAX_WAIT_S
+
+
+def test_a_warm_resume_goes_ahead_of_an_older_programs_cold_turn(report: dict[str, Any]) -> None:
+    """The warm-first rule on vLLM's real scheduler and block pool (``HINTFLOW_WARM_FIRST``): the resume's
+    context is found cached, so it is keyed ahead of the older program's cold prompt; off, program FCFS."""
+    w = report["warm"]
+    assert w["is_warm"] == [True, False]
+    assert w["warm_ahead_on"] is True
+    assert w["warm_ahead_off"] is False
+    assert w["warm_hit"] == 5 * BS
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

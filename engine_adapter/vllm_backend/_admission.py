@@ -32,8 +32,9 @@ __all__ = ["ADMIT_HORIZON_S", "CLASS_SCALE", "PRIORITY_SCALE", "QueueRules"]
 PRIORITY_SCALE = 10**12
 """Milliseconds of program age fit below this (31 years): a request's vLLM priority is
 ``class * CLASS_SCALE + band * PRIORITY_SCALE + ms``, so it orders by class, then band, then program start."""
-CLASS_SCALE = 2 * PRIORITY_SCALE
-"""One priority class spans two bands: turns whose session holds a pin (band 0), then the rest (band 1)."""
+CLASS_SCALE = 3 * PRIORITY_SCALE
+"""One priority class spans three bands: turns whose session holds a pin (band 0), warm turns (band 1),
+then the rest (band 2): ``engine_adapter._queue_place``."""
 
 
 class QueueRules:

@@ -83,7 +83,8 @@ REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     "BlockPool": (
         "vllm.v1.core.block_pool",
         ("enable_caching", "num_gpu_blocks", "free_block_queue", "touch", "free_blocks", "get_num_free_blocks",
-         "get_new_blocks", "cache_full_blocks"),  # (the last two: context imports)
+         "get_new_blocks", "cache_full_blocks",  # (these two: context imports)
+         "get_cached_block"),  # (warm turns: _warm)
     ),
     # context moves (_context_moves): this process's KV tensors by layer, and the hashes of imported blocks
     "CompilationConfig": ("vllm.config", ("static_forward_context",)),
@@ -100,7 +101,7 @@ REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
         (
             "request_id", "session_id", "sampling_params", "priority", "arrival_time", "prompt_token_ids",
             "all_token_ids", "num_tokens", "num_prompt_tokens", "num_output_tokens", "num_computed_tokens",
-            "num_preemptions", "is_finished",
+            "num_preemptions", "is_finished", "block_hashes",
         ),
     ),
     "RequestQueue": ("vllm.v1.core.sched.request_queue", ("add_request", "peek_request", "remove_requests")),

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import TypeAdapter, ValidationError
 
 from engine_adapter._engine_errors import FailedPrecondition
-from engine_adapter._queue_place import queue_place
+from engine_adapter._queue_place import WARM_THRESHOLD_TOKENS, is_warm, queue_place
 from hints import OptionalProgramId, SessionId, new_node_epoch
 from predictors import HostHitShare, PrefillShare, UnpinnedSurvival
 
@@ -73,6 +73,7 @@ from ._context_moves import KvLayout, kv_layout
 from ._host_index import HOST_RELOAD_S_PER_TOKEN
 from ._infer import HintInference, env_float, env_on, infer_enabled
 from ._sessions import SessionBook, VSession
+from ._warm import num_cached_tokens
 
 if TYPE_CHECKING:
     from ._hint_service import HintServer
@@ -237,6 +238,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.yield_pins_to = "head" if yield_setting == "head" else "queue"
         self.ttft_deadline_s = env_float("HINTFLOW_TTFT_DEADLINE_S", math.inf)
         self.pinned_first = env_on("HINTFLOW_PINNED_FIRST", "1")
+        # warm first: a waiting turn that has at most this many prompt tokens left to compute goes ahead of
+        # cold ones of its class (_warm: its context survived the pause; served now, it is not lost)
+        self.warm_first = env_on("HINTFLOW_WARM_FIRST", "1")
+        self.warm_threshold_tokens = env_float("HINTFLOW_WARM_THRESHOLD_TOKENS", WARM_THRESHOLD_TOKENS)
         self.pin_grace_s = env_float("HINTFLOW_PIN_GRACE_S", 0.5)
         self.pin_grace_window_s = env_float("HINTFLOW_INFER_DEFER_S", 60.0)  # "recently pinned": as inference's
         self.grace_holds = 0
@@ -281,7 +286,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     self.infer.on_request(s, extra)
                 self._req_session[request.request_id] = s
                 self._client_priority[request.request_id] = request.priority
-                request.priority = self._safe_priority(s, request.priority, request.request_id)
+                request.priority = self._safe_priority(s, request.priority, request.request_id, request)
             super().add_request(request)
 
     def _valid_ids(self, session_id: str, program_id: str) -> bool:
@@ -305,19 +310,39 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             self._warned.add(key)
             log.warning(msg, *args, **kwargs)
 
-    def _safe_priority(self, s: VSession, client_priority: int, request_id: str | None = None) -> int:
+    def _safe_priority(
+        self, s: VSession, client_priority: int, request_id: str | None = None, request: Any = None
+    ) -> int:
         """``priority_for``, never raising: it runs inside vLLM's engine loop (``add_request``), where an
-        exception is fatal to the engine, and reads hint-derived state."""
+        exception is fatal to the engine, and reads hint-derived state. ``request``: the waiting request
+        itself, whose warmth counts (None: not)."""
         try:
-            return self.priority_for(s, client_priority, request_id)
+            warm = request is not None and self.is_warm(request)
+            return self.priority_for(s, client_priority, request_id, warm=warm)
         except Exception:  # a hint must never stop the engine: the client's order stands
             self._warn_once("priority", "hintflow: priority mapping failed; client priority kept", exc_info=True)
             return client_priority
 
-    def priority_for(self, s: VSession, client_priority: int, request_id: str | None = None) -> int:
+    def is_warm(self, request: Any) -> bool:
+        """Whether a waiting request is warm (``HINTFLOW_WARM_FIRST``): at most the threshold of its prompt
+        left to compute, counting the device's cached prefix and the host tier's run after it (``_warm``)."""
+        if not self.warm_first or request.num_computed_tokens or not self.pins_supported:
+            return False  # (computed tokens: vLLM preempted it; it goes back by its own rule)
+        pool, n = self.kv_cache_manager.block_pool, request.num_tokens
+        index = self.host_tier.index if self.host_tier is not None else None
+        cached = num_cached_tokens(
+            request.block_hashes, n, self.block_size,
+            lambda h: pool.get_cached_block(h, [0]) is not None,
+            index.__contains__ if index is not None else None,
+        )  # fmt: skip
+        return is_warm(n, cached, int(self.warm_threshold_tokens))
+
+    def priority_for(
+        self, s: VSession, client_priority: int, request_id: str | None = None, *, warm: bool = False
+    ) -> int:
         """vLLM priority (lower first): hinted class, else the client's; then whether the session holds a
-        pin (``HINTFLOW_PINNED_FIRST``); then the program's start, aged as of the request's arrival (so
-        re-keying a queued request later does not age it again)."""
+        pin (``HINTFLOW_PINNED_FIRST``) or the turn is ``warm`` (``is_warm``); then the program's start, aged
+        as of the request's arrival (so re-keying a queued request later does not age it again)."""
         if not self._priority_policy():
             return client_priority
         major = s.priority_class if s.priority_class is not None else client_priority
@@ -326,7 +351,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         if request_id is not None:
             self._req_start.setdefault(request_id, arrived)
         pinned = self.pinned_first and s.pin_deadline_s is not None
-        band, start = queue_place(start, arrived, pinned=pinned, aging_s=self.aging_s)
+        band, start = queue_place(start, arrived, pinned=pinned, warm=warm, aging_s=self.aging_s)
         # Clamped as a float before int(): under strict FCFS (aging inf) a hinted age reaches back without
         # bound, and int() of a huge float is a huge int (or OverflowError near the float's limit).
         ms = (start - self._epoch_s + 86400.0) * 1000.0  # + a day: hinted ages reach back
@@ -337,7 +362,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         s = self._req_session.get(request.request_id)
         if s is None:
             return None
-        return self._safe_priority(s, self._client_priority.get(request.request_id, 0), request.request_id)
+        return self._safe_priority(s, self._client_priority.get(request.request_id, 0), request.request_id, request)
 
     def _priority_policy(self) -> bool:
         # by name, as vLLM's SchedulingPolicy.PRIORITY (_compat checks it), so this module imports no vLLM
@@ -353,7 +378,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             if reqs:
                 queue.remove_requests(reqs)
                 for r in reqs:
-                    r.priority = self._safe_priority(s, self._client_priority.get(r.request_id, 0), r.request_id)
+                    r.priority = self._safe_priority(s, self._client_priority.get(r.request_id, 0), r.request_id, r)
                     queue.add_request(r)
                 moved += len(reqs)
         return moved

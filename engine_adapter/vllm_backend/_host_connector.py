@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -74,7 +75,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CONNECTOR_MODULE", "HintflowHostTier", "HostTierMetadata", "host_tier_config"]
 
-log = logging.getLogger("hintflow.vllm.host_tier")
+log = logging.getLogger("vllm.hintflow.host_tier")  # under vLLM's logger: its handlers print INFO
 
 
 @dataclass
@@ -133,6 +134,7 @@ class HintflowHostTier(KVConnectorBase_V1):
         # hashes not worth a host slot (a program's last turn, a released program's), oldest first
         self._evicted: list[tuple[int, Any]] = []
         self._no_save: dict[Any, None] = {}
+        self._next_log_s = 0.0
         # worker side
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict[str, torch.Tensor] = {}
@@ -262,14 +264,18 @@ class HintflowHostTier(KVConnectorBase_V1):
     def _plan_evicted_saves(self) -> None:
         """Saves of the blocks the device evicted since the last step's metadata (evict mode)."""
         evicted, self._evicted = self._evicted, []
+        stats = self.index.stats
+        stats.num_device_evicted_blocks += len(evicted)
         for block_id, h in evicted:
             if h in self._no_save:
+                stats.num_unsaved_evictions += 1
                 continue
             if h in self.index:  # loaded back earlier and still there: no copy needed
                 self.index.touch(h)
                 continue
             slot = self.index.reserve(h, pending=True)
             if slot is None:  # every slot is read or written this step: the block is lost
+                stats.num_unsaved_evictions += 1
                 continue
             self._saves.append((block_id, slot))
 
@@ -302,6 +308,10 @@ class HintflowHostTier(KVConnectorBase_V1):
         # a match is asked for and used within one schedule(): one that found no room is asked again
         self._matched.clear()
         self.step_loaded_tokens, self._loaded_now = self._loaded_now, {}
+        now = time.monotonic()
+        if now >= self._next_log_s:  # under vLLM's own scheduler nothing else reports the tier
+            self._next_log_s = now + 10.0
+            log.info(self.index.stats.line(self.index.num_used_slots, self.num_slots))
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:

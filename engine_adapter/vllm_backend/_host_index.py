@@ -74,6 +74,17 @@ class HostIndexStats:
     num_evicted_blocks: int = 0
     num_demoted_blocks: int = 0  # moved to the front of the LRU order (a released program's)
     num_save_skipped_full: int = 0  # a save found every slot locked
+    num_device_evicted_blocks: int = 0  # cached blocks the device pool evicted (evict mode: save candidates)
+    num_unsaved_evictions: int = 0  # of those, not saved: a last turn's or released program's, or no slot
+
+    def line(self, num_used: int, num_slots: int) -> str:
+        """One log line (every 10 s, scheduler side): what the tier saved, loaded and lost."""
+        return (
+            f"hintflow host tier: used={num_used}/{num_slots} saved={self.num_saved_blocks}"
+            f" loaded={self.num_loaded_blocks} evicted={self.num_evicted_blocks} demoted={self.num_demoted_blocks}"
+            f" skipped_full={self.num_save_skipped_full} device_evicted={self.num_device_evicted_blocks}"
+            f" unsaved={self.num_unsaved_evictions}"
+        )
 
 
 class HostIndex:
