@@ -374,7 +374,7 @@ def test_a_lapsed_pin_ends_when_its_queued_turn_is_aborted() -> None:
     assert core.kv.stats.pin_expiries == 1
     deep_check(core, ex)
     r3 = core.submit([9, 9, 9, 9], 1, session_id="A")
-    assert r3.sort_key()[1] == 1  # not pinned
+    assert r3.sort_key()[1] != 0  # not in the pinned band
     core.run_until_idle()
     deep_check(core, ex)
 
