@@ -52,15 +52,18 @@ NODE = _node(AGING_S)
 """Every hintflow vLLM node with the vLLM node's defaults: its pin budget, program FCFS with its aging bound
 of head start at most, pins yielding to older programs' turns, no cold-prefill cap (vLLM has none), one
 node."""
-VLLM_NODE = "scheduler.warm_first=false,evict_queued=true"
-"""What every vLLM node does, stock or hintflow's, unlike the embedded one: a queued turn's unpinned
-context stays in the LRU free queue (``evict_queued``); and, unless the node runs hintflow's warm-first
-rule (``HINTFLOW_WARM_FIRST``, on since it was added), turns go in queue order, a resume whose context
-survived behind cold prompts (``scheduler.warm_first``). The replay's embedded node does both the other
-way: mirrored with its own rules, stock vLLM with a host tier of half the pool replayed at 47-54% hits
-against 11-16% measured."""
+def _vllm_node(warm_first: bool = False) -> str:
+    """What every vLLM node does, stock or hintflow's, unlike the embedded one: a queued turn's unpinned
+    context stays in the LRU free queue (``evict_queued``); and, unless the node runs hintflow's warm-first
+    rule (``HINTFLOW_WARM_FIRST``, on since it was added), turns go in queue order, a resume whose context
+    survived behind cold prompts (``scheduler.warm_first``). The replay's embedded node does both the
+    other way: mirrored with its own rules, stock vLLM with a host tier of half the pool replayed at 47-54%
+    hits against 11-16% measured."""
+    return f"scheduler.warm_first={str(warm_first).lower()},evict_queued=true"
+
+
 MIRRORS = {
-    "vanilla": f"node.vanilla=vllm-default:{VLLM_NODE}",
+    "vanilla": f"node.vanilla=vllm-default:{_vllm_node()}",
     "hintflow-infer": f"node.hintflow-infer=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru",
     "hintflow-infer-pid": f"node.hintflow-infer-pid=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru",
     "hintflow-orchestrator": f"node.hintflow-orchestrator=hintflow:{NODE}",
@@ -115,9 +118,8 @@ def _mirror(
     spec = MIRRORS[base].replace(f"pin_budget={PIN_BUDGET}", f"pin_budget={budget}")
     stock = base == "vanilla"
     if not stock:
-        spec += f",{VLLM_NODE}"
-        if MODE_ENV.get(base, {}).get("HINTFLOW_WARM_FIRST", "1") != "0" and warm_first:
-            spec = spec.replace("scheduler.warm_first=false", "scheduler.warm_first=true")
+        node_warm = warm_first and MODE_ENV.get(base, {}).get("HINTFLOW_WARM_FIRST", "1") != "0"  # baselines: off
+        spec += "," + _vllm_node(node_warm)
         if host_guard or not host:  # a hintflow node: its admission guard
             aging = spec.partition("scheduler.program_fcfs_aging_s=")[2].partition(",")[0]
             own = base not in MODE_ENV and not host and admit_wait_s is not None  # hintflow's own modes

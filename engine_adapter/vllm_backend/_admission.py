@@ -9,6 +9,7 @@ per-request check) without importing vLLM, so it reads as plain Python.
 - ``_sync_pinned_band``: a waiting turn whose session holds a pin goes ahead of unpinned ones of its class
   (its memory is reserved for it: serving it turns the pin into progress and frees it), and falls back
   when its pin is dropped while it waits; the embedded scheduler's queue order (``Request.sort_key``);
+  then warm turns ahead of cold ones (``HINTFLOW_WARM_FIRST``, ``_warm``), re-judged each step too;
 - ``_yield_pins_to_older``: pins of programs younger than a waiting turn this step could start let go until
   it fits (in queue order);
 - program admission (``_handle_blocked_waiting_request``): a program's first turn waits while the contexts
@@ -94,7 +95,8 @@ class QueueRules:
             self.waiting.add_request(r)
 
     def _sync_pinned_band(self) -> None:
-        """Re-key waiting requests whose session gained or lost its pin since they were keyed (see above)."""
+        """Re-key waiting requests whose band changed since they were keyed: their session gained or lost its
+        pin, or their context was cached or evicted meanwhile (warm or cold, ``is_warm``)."""
         if getattr(self.policy, "name", "") != "PRIORITY" or not self.waiting:
             return
         moved = []

@@ -327,7 +327,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         """Whether a waiting request is warm (``HINTFLOW_WARM_FIRST``): at most the threshold of its prompt
         left to compute, counting the device's cached prefix and the host tier's run after it (``_warm``)."""
         if not self.warm_first or request.num_computed_tokens or not self.pins_supported:
-            return False  # (computed tokens: vLLM preempted it; it goes back by its own rule)
+            return False  # (a waiting request with computed tokens has started: its place is not re-judged)
         pool, n = self.kv_cache_manager.block_pool, request.num_tokens
         index = self.host_tier.index if self.host_tier is not None else None
         cached = num_cached_tokens(
@@ -340,9 +340,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     def priority_for(
         self, s: VSession, client_priority: int, request_id: str | None = None, *, warm: bool = False
     ) -> int:
-        """vLLM priority (lower first): hinted class, else the client's; then whether the session holds a
-        pin (``HINTFLOW_PINNED_FIRST``) or the turn is ``warm`` (``is_warm``); then the program's start, aged
-        as of the request's arrival (so re-keying a queued request later does not age it again)."""
+        """vLLM priority (lower first): hinted class, else the client's; then the band (``queue_place``: the
+        session holds a pin, ``HINTFLOW_PINNED_FIRST``; else the turn is ``warm``, ``is_warm``; else cold);
+        then the program's start, aged as of the request's arrival (so re-keying a queued request later does
+        not age it again)."""
         if not self._priority_policy():
             return client_priority
         major = s.priority_class if s.priority_class is not None else client_priority
