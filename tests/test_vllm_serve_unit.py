@@ -196,3 +196,16 @@ def test_sigterm_to_the_node_stops_the_server_it_started() -> None:
     assert sup.wait(timeout=30) == 143
     with pytest.raises(ProcessLookupError):  # stopped and reaped, not orphaned
         os.kill(child, 0)
+
+
+def test_a_dead_servers_error_keeps_the_engine_cores_root_cause() -> None:
+    """The API server's own traceback (~4 kB) ends the log of an engine core that died at start: the
+    excerpt keeps the core's first error above it, and the tail."""
+    cause = "(EngineCore pid=7) ERROR 12-06 Failed to bind 127.0.0.1:9002: Address already in use\n"
+    text = "INFO start\n" * 500 + cause + "x" * 50 + "\n" + "  File api_server.py, line 1\n" * 400 + "RuntimeError: end\n"
+    out = _serve.log_excerpt(text)
+    assert "Address already in use" in out and out.endswith("RuntimeError: end\n")
+    assert "characters ...]" in out and len(out) < 6200 and "INFO start" not in out
+    short = "INFO start\n" + cause + "RuntimeError: end\n"  # the error inside the tail: the tail alone
+    assert _serve.log_excerpt(short) == short
+    assert _serve.log_excerpt("INFO only\n" * 1000) == ("INFO only\n" * 1000)[-3000:]

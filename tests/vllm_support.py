@@ -195,15 +195,15 @@ def vllm_server(
 
 @dataclass
 class ServerSpec:
-    """One session server: vLLM flags, environment, :func:`build_vllm_command` keywords (ports chosen when
-    the spec is made, so a test can address them), and ``prepare``, run just before the server starts
-    (what must be listening first, such as a KV-event subscriber; it may keep it in ``made``), returning
-    what undoes it."""
+    """One session server: vLLM flags, environment, :func:`build_vllm_command` keywords (its ``*_port``
+    values are picked again at launch: a test reads them from the spec once the server is up), and
+    ``prepare``, run just before the server starts (what must be listening first, such as a KV-event
+    subscriber; it may keep it in ``made``), returning what undoes it."""
 
     name: str
     flags: Sequence[str]
     env: Mapping[str, str] = field(default_factory=dict)
-    build_kw: Mapping[str, Any] = field(default_factory=dict)
+    build_kw: dict[str, Any] = field(default_factory=dict)
     prepare: Callable[[ServerSpec], Callable[[], None]] | None = None
     made: dict[str, Any] = field(default_factory=dict)
 
@@ -240,26 +240,65 @@ def _start_wanted(tmp_path_factory: pytest.TempPathFactory, config: pytest.Confi
     for name, spec in _WANTED.items():
         if name in _STARTED:
             continue
-        stack = ExitStack()  # closed when pytest ends, last in first out: the server, then what prepare made
-        config.add_cleanup(stack.close)
-        try:
-            if spec.prepare is not None:
-                stack.callback(spec.prepare(spec))
-            workdir = tmp_path_factory.mktemp(f"vllm-{name}")
-            server, own_state = _launch(python, model, workdir, spec.flags, spec.env, None, spec.build_kw)
-        except Exception as e:
-            _STARTED[name] = e
-            continue
-        stack.callback(_shut, server, own_state, True)
-        launched.append((name, server))
+        got = _launch_spec(spec, python, model, tmp_path_factory, config, prepare=True)
+        if isinstance(got, BaseException):
+            _STARTED[name] = got
+        else:
+            launched.append((name, got))
     # each start imports vLLM on one core: several at once take about their sum over the cores
     timeout_s = 150.0 * max(1.0, len(launched) / max(1, os.cpu_count() or 1))
     for name, server in launched:
         try:
             wait_healthy(server.proc, server.base_url, server.log_path, timeout_s=timeout_s)
             _STARTED[name] = server
+        except RuntimeError as e:  # it exited while starting: once more, alone, on ports picked now
+            print(f"vLLM session server {name!r} exited while starting; once more:\n{e}", file=sys.stderr)
+            _STARTED[name] = _retry(_WANTED[name], python, model, tmp_path_factory, config)
         except Exception as e:
             _STARTED[name] = e
+
+
+def _launch_spec(
+    spec: ServerSpec,
+    python: str,
+    model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    config: pytest.Config,
+    *,
+    prepare: bool,
+) -> VllmServer | BaseException:
+    """Launch ``spec``'s server (not waiting for it), stopped when pytest ends; its error if it could not.
+
+    Its ``*_port`` keywords are picked here, just before the launch, not when the spec was made: a port
+    found free at import time can be some connection's by the time the server binds it, minutes of tests
+    later, and the engine core then dies at start."""
+    stack = ExitStack()  # closed when pytest ends, last in first out: the server, then what prepare made
+    config.add_cleanup(stack.close)
+    try:
+        if prepare and spec.prepare is not None:
+            stack.callback(spec.prepare(spec))
+        for key in [k for k in spec.build_kw if k.endswith("_port")]:
+            spec.build_kw[key] = free_port()
+        workdir = tmp_path_factory.mktemp(f"vllm-{spec.name}")
+        server, own_state = _launch(python, model, workdir, spec.flags, spec.env, None, spec.build_kw)
+    except Exception as e:
+        return e
+    stack.callback(_shut, server, own_state, True)
+    return server
+
+
+def _retry(
+    spec: ServerSpec, python: str, model: Path, tmp_path_factory: pytest.TempPathFactory, config: pytest.Config
+) -> VllmServer | BaseException:
+    # what prepare made (a bound subscriber) is still there: the new server uses it
+    got = _launch_spec(spec, python, model, tmp_path_factory, config, prepare=False)
+    if isinstance(got, BaseException):
+        return got
+    try:
+        wait_healthy(got.proc, got.base_url, got.log_path, timeout_s=150.0)
+    except Exception as e:
+        return e
+    return got
 
 
 # ---- processes, through Linux's /proc (elsewhere the check is skipped) ---------------------------------

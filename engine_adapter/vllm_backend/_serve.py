@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ __all__ = [
     "async_scheduling_flag",
     "build_vllm_command",
     "find_vllm_python",
+    "log_excerpt",
     "scheduler_cls_for",
     "serve_vllm",
     "start_vllm",
@@ -203,18 +205,35 @@ def start_vllm(
 def wait_healthy(
     proc: subprocess.Popen[bytes], base_url: str, log_path: str | Path, timeout_s: float = 300.0
 ) -> None:
-    """Poll ``/health`` until it answers; the log's tail in the error if the server dies or never answers."""
+    """Poll ``/health`` until it answers; the log's first error and its tail in the error if the server
+    dies or never answers."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited {proc.returncode}:\n{Path(log_path).read_text()[-4000:]}")
+            raise RuntimeError(f"vLLM exited {proc.returncode}:\n{log_excerpt(Path(log_path).read_text())}")
         try:
             with urllib.request.urlopen(f"{base_url}/health", timeout=2):
                 return
         except (urllib.error.URLError, OSError):
             if time.monotonic() > deadline:
-                raise TimeoutError(Path(log_path).read_text()[-4000:]) from None
+                raise TimeoutError(log_excerpt(Path(log_path).read_text())) from None
             time.sleep(0.5)
+
+
+_FIRST_ERROR = re.compile(r"^.*(?:Traceback \(most recent call last\)|\bERROR\b).*$", re.MULTILINE)
+
+
+def log_excerpt(text: str, head_chars: int = 3000, tail_chars: int = 3000) -> str:
+    """The part of a vLLM log that says why it failed: from its first traceback or ``ERROR`` line (the
+    engine core's root cause, which the API server's own traceback at the end pushes out of a tail) and
+    the tail, or the tail alone when the first error is in it."""
+    tail_at = max(0, len(text) - tail_chars)
+    first = _FIRST_ERROR.search(text)
+    if first is None or first.start() >= tail_at:
+        return text[tail_at:]
+    head = text[first.start() : min(first.start() + head_chars, tail_at)]
+    skipped = tail_at - first.start() - len(head)
+    return head + (f"\n[... {skipped} characters ...]\n" if skipped else "") + text[tail_at:]
 
 
 def stop_vllm(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
