@@ -6,8 +6,9 @@ coding-agent workflows (model call, heavy-tailed shell tool, next call on the lo
 every ``arrival_gap_s`` while competing tenants send cold prompts to both nodes.  It runs twice, each time
 on fresh nodes (the Temporal server is shared):
 
-* ``vllm-default``: nodes that behave like vLLM (a finished turn's blocks go to the LRU free queue), no
-  hints, each session routed to the same node (vLLM production stack's session routing);
+* ``vllm-default``: nodes that behave like vLLM (a finished turn's blocks go to the LRU free queue; one
+  admission pass in queue order, no warm turns first), no hints, each session routed to the same node
+  (vLLM production stack's session routing);
 * ``hintflow``: nodes that keep contexts and follow hints, the ``hintflow`` policy (cost-model pins,
   predicted eviction order, prefetch, priority, release) and cost routing.
 
@@ -80,7 +81,11 @@ async def run_mode(
         program_fcfs_aging_s=None if stock else cfg.fcfs_aging_s,
         ttft_deadline_s=None if stock else cfg.ttft_deadline_s,
         scheduler_overrides={
-            **({} if stock else {"admit_fraction": cfg.admit_fraction, "resumes_are_warm": cfg.resumes_are_warm}),
+            **(
+                {"warm_first": False}  # vLLM admits in one pass in queue order
+                if stock
+                else {"admit_fraction": cfg.admit_fraction, "resumes_are_warm": cfg.resumes_are_warm}
+            ),
             **(scheduler_overrides or {}),
         },
     ) as engines:

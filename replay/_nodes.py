@@ -274,7 +274,7 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
                             # every row admits as vLLM 0.32 does (``scheduler_reserve_full_isl``, on there
                             # by default): at a small step budget, turns admitted on their first chunk
                             # preempt each other for the later ones (docs/architecture.md)
-                            admit_whole_prompt=True)
+                            admit_whole_prompt=True, warm_first=config.warm_first)
     sched = dataclasses.replace(sched, **dict(config.scheduler_options))  # a variant's own settings win
     num_host_blocks = math.ceil(spec.num_host_tokens / bs) if config.host_tier else 0
     num_device_blocks = math.ceil(spec.num_device_tokens / bs)

@@ -21,12 +21,17 @@ the pool could hold its whole prompt, as vLLM 0.32 does (``SchedulerConfig.admit
   prefix cache keeps a finished request's blocks until they are reused, and only a retained context can
   be reloaded from the host tier once the device has reused its blocks: the replay's row without
   retention gains nothing from the tier.
+* ``warm_first``: the node admits warm turns (at most ``WARM_THRESHOLD_TOKENS`` of prompt left to compute)
+  in a pass before cold ones (``SchedulerConfig.warm_first``), as hintflow's engines do. vLLM admits in one
+  pass in queue order and stops at the first turn memory cannot take, and so do the systems built on it
+  (Continuum) or on SGLang's FCFS default (KVFlow, ThunderAgent): off on every baseline row, on for
+  hintflow's (and the analysis rows built on it). Measured with the mirror of stock vLLM with a short host
+  tier on trace B: the warm pass alone made it replay at 54% across-turn hits against 16% measured (8%
+  without it).
 * ``evict_queued``: a queued turn's retained context is evicted as a parked one, in the same order (vLLM's
-  prefix cache: a waiting request holds no blocks); off, the embedded node keeps queued turns' contexts
-  while a parked one is left. Off on every row; ``scripts/vllm_predict.py`` sets it for its mirrors of
-  real vLLM nodes, with ``scheduler.warm_first=false`` where the node has no warm-first rule. (Both are
-  embedded-node rules every row shares, stock ones included: measured with the fitted mirror of trace B
-  they were what made stock vLLM with a short host tier replay at 47-54% hits against 11-16% measured.)
+  prefix cache, and SGLang's radix cache until the turn is scheduled: a waiting request holds no blocks);
+  off, the node keeps queued turns' contexts while a parked one is left, as hintflow's engines do. On for
+  the baseline rows that retain contexts.
 * ``cold_prefill_cap``: the hintflow engine's cap on cold prefills while warm work shares a step; vLLM
   (and the systems built on it) have no such cap, so the baselines run with the whole step budget.
   ``hintflow`` runs with it, as the engine ships.  Measured both ways: on the replay's workloads, which
@@ -100,6 +105,7 @@ class ReplayConfig:
     eviction_policy: str
     host_tier: bool
     host_write_through: bool = False  # the host tier as vLLM's connectors fill it (see the docstring)
+    warm_first: bool = True  # warm turns admitted in a pass before cold ones (see the docstring)
     evict_queued: bool = False  # a queued turn's context evicted as a parked one (see the docstring)
     cold_prefill_cap: bool = False
     infinite_kv: bool = False
@@ -122,33 +128,35 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
     for c in (
         ReplayConfig(
             "vllm-default", "vllm-default", "session", retain_contexts=False, eviction_policy="lru",
-            host_tier=False,
+            host_tier=False, warm_first=False,
             description="stock vLLM: request FCFS, finished blocks to the LRU free queue, session routing",
         ),
         ReplayConfig(
             "vllm-offload", "vllm-default", "session", retain_contexts=True, eviction_policy="lru",
-            host_tier=True, host_write_through=True,
+            host_tier=True, host_write_through=True, warm_first=False, evict_queued=True,
             description="stock vLLM with its own CPU offload (--kv-offloading-size): request FCFS, finished "
                         "contexts kept in the prefix cache and evicted LRU, every block saved to host as "
                         "computed, the host dropping LRU",
         ),
         ReplayConfig(
             "continuum", "continuum", "session", retain_contexts=True, eviction_policy="lru",
-            host_tier=True,
+            host_tier=True, warm_first=False, evict_queued=True,
             description="Continuum: cost-model TTL pins at tool start, program FCFS, offload variant",
         ),
         ReplayConfig(
             "kvflow", "kvflow", "session", retain_contexts=True, eviction_policy="hinted", host_tier=True,
+            warm_first=False, evict_queued=True,
             description="KVFlow: steps-to-execution eviction order (finished agents first), host offload",
         ),
         ReplayConfig(
             "thunderagent", "thunderagent", "session", retain_contexts=True, eviction_policy="lru",
-            host_tier=False, thunderagent_controller=True,
+            host_tier=False, thunderagent_controller=True, warm_first=False, evict_queued=True,
             description="ThunderAgent: every 5 s pause acting programs when a node thrashes, "
                         "restore from a global queue onto any node",
         ),
         ReplayConfig(
             "llm-d", "vllm-default", "llm-d", retain_contexts=False, eviction_policy="lru", host_tier=False,
+            warm_first=False,
             description="vLLM engines behind llm-d precise prefix routing (2·prefix + kv util + queue)",
         ),
         ReplayConfig(

@@ -56,9 +56,10 @@ def _vllm_node(warm_first: bool = False) -> str:
     """What every vLLM node does, stock or hintflow's, unlike the embedded one: a queued turn's unpinned
     context stays in the LRU free queue (``evict_queued``); and, unless the node runs hintflow's warm-first
     rule (``HINTFLOW_WARM_FIRST``, on since it was added), turns go in queue order, a resume whose context
-    survived behind cold prompts (``scheduler.warm_first``). The replay's embedded node does both the
-    other way: mirrored with its own rules, stock vLLM with a host tier of half the pool replayed at 47-54%
-    hits against 11-16% measured."""
+    survived behind cold prompts (``scheduler.warm_first``). The embedded node's defaults (hintflow's
+    replay rows; the baseline rows are registered with both, ``replay/_policies.py``) do both the other
+    way: mirrored with them, stock vLLM with a host tier of half the pool replayed at 47-54% hits against
+    11-16% measured. Set on every mirror, so a mirror does not depend on the registered rows' defaults."""
     return f"scheduler.warm_first={str(warm_first).lower()},evict_queued=true"
 
 

@@ -399,3 +399,25 @@ def test_host_memory_is_short_by_default_and_all_on_request() -> None:
         _setup(host_memory="lots")
     res = CliRunner().invoke(replay_command, ["--host-memory", "lots", "--no-progress"])
     assert res.exit_code == 2 and "'lots' is not one of 'short', 'all'" in res.output
+
+
+def test_baseline_rows_admit_in_vllms_queue_order_and_hintflows_warm_first() -> None:
+    """The baselines' nodes admit as vLLM (and SGLang's FCFS) do: one pass in queue order, and a queued
+    turn's kept context left to eviction; hintflow's rows run the engine's warm-first pass and keep it.
+    The rule shows in a run: on the same trace the baseline's order differs from itself with the pass."""
+    from replay import NodeSpec, Simulation, parse_variant
+
+    cost = _setup().cost()
+    for name in ("vllm-default", "vllm-offload", "continuum", "kvflow", "thunderagent", "llm-d"):
+        node = Simulation(_tiny(2), get_replay_config(name), NodeSpec(4096, 0, cost)).nodes[0]
+        assert node.engine.scheduler.config.warm_first is False, name
+        assert node.engine.kv.evict_queued is get_replay_config(name).retain_contexts, name
+    for name in ("hintflow", "bound", "clairvoyant"):
+        node = Simulation(_tiny(2), get_replay_config(name), NodeSpec(4096, 0, cost)).nodes[0]
+        assert node.engine.scheduler.config.warm_first is True, name
+        assert node.engine.kv.evict_queued is False, name
+    warm = parse_variant("cw=continuum:warm_first=true,evict_queued=false")
+    programs = generate("swe-agent", seed=3, num_programs=12, rate=4.0, scale=0.05)  # one node, memory short
+    setup = _setup(kv_capacity_tokens=3200, num_nodes=1)
+    a = report_json(*run_replay(setup, [get_replay_config("continuum"), warm], programs=programs))["policies"]
+    assert a["continuum"]["jct_mean_s"] != a["cw"]["jct_mean_s"]
