@@ -202,16 +202,17 @@ def test_the_collector_exports_the_embedded_names_from_the_accounting() -> None:
     from engine_adapter.vllm_backend._host_index import HostIndex
 
     index = HostIndex(8)
-    for h in "abc":
+    for h in "abcdefghij":  # ten saves into eight slots: the two oldest dropped
         index.reserve(h)
     index.stats.num_loaded_blocks = 2
     sched.host_tier = SimpleNamespace(index=index)
     acct.on_scheduled(Req("r3", [*range(300), 1, 2, 3], arrival_time=wall.t), 256, s, host_hit_tokens=128)
     text = generate_latest(registry).decode()
     got = {smp.name: smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
-           if smp.name.startswith(("hintflow_kv_host", "hintflow_offloaded", "hintflow_reloaded"))}  # fmt: skip
-    assert got == {"hintflow_kv_host_total_blocks": 8, "hintflow_kv_host_free_blocks": 5,
-                   "hintflow_offloaded_blocks_total": 3, "hintflow_reloaded_blocks_total": 2}  # fmt: skip
+           if smp.name.startswith(("hintflow_kv_host", "hintflow_offloaded", "hintflow_reloaded", "hintflow_dropped"))}
+    assert got == {"hintflow_kv_host_total_blocks": 8, "hintflow_kv_host_free_blocks": 0,
+                   "hintflow_offloaded_blocks_total": 10, "hintflow_reloaded_blocks_total": 2,
+                   "hintflow_dropped_host_blocks_total": 2}  # fmt: skip
     assert 'hintflow_prompt_tokens_total{model_name="m",source="host_hit"} 128.0' in text
 
 

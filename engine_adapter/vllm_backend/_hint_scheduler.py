@@ -317,7 +317,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         exception is fatal to the engine, and reads hint-derived state. ``request``: the waiting request
         itself, whose warmth counts (None: not)."""
         try:
-            warm = request is not None and self.is_warm(request)
+            pinned = self.pinned_first and s.pin_deadline_s is not None  # band 0 whatever its warmth: not looked up
+            warm = request is not None and not pinned and self.is_warm(request)
             return self.priority_for(s, client_priority, request_id, warm=warm)
         except Exception:  # a hint must never stop the engine: the client's order stands
             self._warn_once("priority", "hintflow: priority mapping failed; client priority kept", exc_info=True)

@@ -16,7 +16,7 @@ set (vLLM sets it for several API servers) those would write into vLLM's multipr
 up a second time on vLLM's own ``/metrics``.
 
 The host tier (``hintflow_kv_host_*``, ``hintflow_offloaded_blocks_total`` (here: copied to the host as they
-fill), ``hintflow_reloaded_blocks_total``, ``host_hit`` prompt tokens) is read from hintflow's host
+fill), ``hintflow_reloaded_blocks_total``, ``hintflow_dropped_host_blocks_total``, ``host_hit`` prompt tokens) is read from hintflow's host
 KV connector (``_host_connector``) when the server runs one, and is absent otherwise. What has no
 source without a scheduler hook (see docs/metrics.md): ``hintflow_evicted_blocks_total`` (the KV-event sidecar in ``_kv_sidecar``
 counts it from ``BlockRemoved``), ``hintflow_preemptions_total`` (``vllm:num_preemptions_total``) and
@@ -122,7 +122,7 @@ class SchedulerCollector(Collector):
             if tier is not None:
                 idx = tier.index
                 host = (idx.num_slots, idx.num_slots - idx.num_used_slots, idx.stats.num_saved_blocks,
-                        idx.stats.num_loaded_blocks)  # fmt: skip
+                        idx.stats.num_loaded_blocks, idx.stats.num_evicted_blocks)  # fmt: skip
             gauges = (
                 book.num_pinned_blocks,
                 sched.prefill_backlog_tokens(),
@@ -233,10 +233,11 @@ _HOST = (
     (GaugeMetricFamily, "hintflow_kv_host_free_blocks", "Free host-tier KV blocks."),
     (CounterMetricFamily, "hintflow_offloaded_blocks_total", "Device KV blocks copied to the host tier."),
     (CounterMetricFamily, "hintflow_reloaded_blocks_total", "Host KV blocks copied back to the device for a prompt."),
+    (CounterMetricFamily, "hintflow_dropped_host_blocks_total", "Host-tier KV blocks dropped to make room."),
 )
 
 
-def _host_families(model: str, values: tuple[int, int, int, int]) -> Iterator[Metric]:
+def _host_families(model: str, values: tuple[int, ...]) -> Iterator[Metric]:
     """The host tier's series, as the embedded engine names them (only where a host tier runs)."""
     for (kind, name, doc), value in zip(_HOST, values, strict=True):
         fam = kind(name, doc, labels=["model_name"])
