@@ -15,11 +15,12 @@ def test_demo_runs_both_modes_and_writes_table_plots_and_json(tmp_path: Path) ->
         [sys.executable, "-m", "hintflow", "demo", *args], capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "vllm-default" in r.stdout and "hintflow / vllm" in r.stdout
+    assert "vllm-default" in r.stdout and "hintflow / vllm" in r.stdout and "competing req/s" in r.stdout
     result = json.loads((out / "demo.json").read_text())
     base, ours = result["policies"]["vllm-default"], result["policies"]["hintflow"]
     for rep in (base, ours):
         assert rep["num_programs"] == 3 and rep["num_turns"] == 9
         assert rep["jct_mean_s"] > 0 and 0.0 <= rep["across_turn_hit_rate"] <= 1.0
     assert base["pins_placed"] == 0
+    assert all(rep["background_requests"] > 0 and rep["wall_s"] > 0 for rep in (base, ours))  # the clients ran
     assert (out / "demo.png").stat().st_size > 10_000
