@@ -148,10 +148,10 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{label:<22}{cells}{rel}")
     # What the agents' gain cost the other tenants: their cold prompts served per second of the run (more
     # is better; a node that made them wait behind the agents would buy its agents' JCT with their share).
-    rates = [pol[m]["background_requests"] / pol[m]["wall_s"] if pol[m]["wall_s"] else 0.0 for m in pol]
-    b_rate, o_rate = rates[0], rates[list(pol).index("hintflow")]
+    rates = {m: pol[m]["background_requests"] / pol[m]["wall_s"] if pol[m]["wall_s"] else 0.0 for m in pol}
+    b_rate, o_rate = rates["vllm-default"], rates["hintflow"]
     rel = f"{o_rate / b_rate:>17.2f}x" if b_rate else f"{'':>18}"
-    lines.append(f"{'competing req/s':<22}" + "".join(f"{r:>16.1f}" for r in rates) + rel)
+    lines.append(f"{'competing req/s':<22}" + "".join(f"{r:>16.1f}" for r in rates.values()) + rel)
     c = result["config"]
     lines.append(
         f"{c['programs']} coding-agent programs x {c['turns']} turns on {c['num_nodes']} torch nodes "

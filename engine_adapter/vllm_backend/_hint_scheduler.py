@@ -120,6 +120,11 @@ benchmark's trace with a host tier of half the pool: mean JCT 1-10% and p99 TTFT
 round (docs/benchmarks.md, "The pin budget")."""
 
 
+def _pinned(pinned_first: bool, s: VSession) -> bool:
+    """Whether the session's queued turns take the pinned band (``HINTFLOW_PINNED_FIRST`` and a live pin)."""
+    return pinned_first and s.pin_deadline_s is not None
+
+
 def pin_budget(setting: str | None, *, host_tier: bool) -> float:
     """The node's pin budget: ``HINTFLOW_PIN_BUDGET`` when set, else the default for its memory
     (:data:`PIN_BUDGET_WITH_HOST` with the host tier, :data:`PIN_BUDGET` without). ValueError naming the
@@ -317,8 +322,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         exception is fatal to the engine, and reads hint-derived state. ``request``: the waiting request
         itself, whose warmth counts (None: not)."""
         try:
-            pinned = self.pinned_first and s.pin_deadline_s is not None  # band 0 whatever its warmth: not looked up
-            warm = request is not None and not pinned and self.is_warm(request)
+            # band 0 whatever its warmth: a pinned turn's warmth is not looked up
+            warm = request is not None and not _pinned(self.pinned_first, s) and self.is_warm(request)
             return self.priority_for(s, client_priority, request_id, warm=warm)
         except Exception:  # a hint must never stop the engine: the client's order stands
             self._warn_once("priority", "hintflow: priority mapping failed; client priority kept", exc_info=True)
@@ -352,8 +357,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         arrived = self._req_start.get(request_id, self.book.clock()) if request_id is not None else self.book.clock()
         if request_id is not None:
             self._req_start.setdefault(request_id, arrived)
-        pinned = self.pinned_first and s.pin_deadline_s is not None
-        band, start = queue_place(start, arrived, pinned=pinned, warm=warm, aging_s=self.aging_s)
+        band, start = queue_place(start, arrived, pinned=_pinned(self.pinned_first, s), warm=warm, aging_s=self.aging_s)
         # Clamped as a float before int(): under strict FCFS (aging inf) a hinted age reaches back without
         # bound, and int() of a huge float is a huge int (or OverflowError near the float's limit).
         ms = (start - self._epoch_s + 86400.0) * 1000.0  # + a day: hinted ages reach back
