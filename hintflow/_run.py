@@ -269,7 +269,8 @@ class RunConfig:
     policy: str = "hintflow"
     arrival_gap_s: float = 0.5
     time_scale: float = 1.0
-    background_clients: int = 0  # competing tenants sending cold prompts to every node
+    background_clients: int = 0  # competing tenants per node, each sending its next cold prompt at once
+    background_rate: float = 0.0  # or: competing cold prompts a second per node, Poisson arrivals (open loop)
     background_prompt_tokens: int = 200
     seed: int = 0
     cost_model: str | None = None  # bundled profile name or JSON path (router + PrefillReload prior)
@@ -278,27 +279,66 @@ class RunConfig:
     overrides: dict[str, Any] = field(default_factory=dict)  # fields of the example's input dataclass
 
 
-async def _background(addresses: Sequence[str], cfg: RunConfig, stop: asyncio.Event) -> int:
+@dataclass
+class Background:
+    """What the competing tenants got: requests served and each one's latency (2 output tokens: about
+    its TTFT plus one decode step)."""
+
+    num_requests: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+
+
+async def _background(addresses: Sequence[str], cfg: RunConfig, stop: asyncio.Event) -> Background:
+    """Competing tenants' cold prompts on every node until ``stop``: ``background_clients`` closed-loop
+    clients per node (each sends its next prompt when the last returns, so a node that serves them faster
+    is sent more), or ``background_rate`` prompts a second per node at Poisson arrivals (open loop: the
+    same offered load whatever the node does with it, as a serving benchmark's request rate)."""
     from workflows import turn_client
 
-    num_done = 0
+    out = Background()
 
-    async def one(addr: str, i: int) -> None:
-        nonlocal num_done
+    async def request(c: Any, rng: random.Random, sid: str) -> None:
+        prompt = [rng.randrange(256) for _ in range(cfg.background_prompt_tokens)]
+        t0 = time.monotonic()
+        try:
+            await c.generate(prompt, 2, session_id=sid, program_id=sid)
+        except Exception as exc:  # a competing tenant must not kill the run
+            logger.warning("background request failed: %s", exc)
+            await asyncio.sleep(0.5)
+            return
+        out.latencies_s.append(time.monotonic() - t0)
+        out.num_requests += 1
+
+    async def closed_loop(addr: str, i: int) -> None:
         rng = random.Random(cfg.seed * 1000 + i)
         async with turn_client(addr) as c:
+            n = 0
             while not stop.is_set():
-                prompt = [rng.randrange(256) for _ in range(cfg.background_prompt_tokens)]
-                sid = f"background-{i}-{num_done}"
-                try:
-                    await c.generate(prompt, 2, session_id=sid, program_id=sid)
-                except Exception as exc:  # a flood client must not kill the run
-                    logger.warning("background request failed: %s", exc)
-                    await asyncio.sleep(0.5)
-                num_done += 1
+                await request(c, rng, f"background-{i}-{n}")
+                n += 1
 
-    await asyncio.gather(*(one(a, i) for a in addresses for i in range(cfg.background_clients)))
-    return num_done
+    async def open_loop(addr: str, i: int) -> None:
+        rng = random.Random(cfg.seed * 1000 + 500 + i)
+        inflight: set[asyncio.Task[None]] = set()
+        async with turn_client(addr) as c:
+            n = 0
+            while not stop.is_set():
+                try:  # the next arrival, or the end of the run
+                    await asyncio.wait_for(stop.wait(), rng.expovariate(cfg.background_rate))
+                except TimeoutError:
+                    task = asyncio.create_task(request(c, rng, f"background-r{i}-{n}"))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+                    n += 1
+            for task in list(inflight):  # the run is over: what is still queued is not the programs' business
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+
+    tasks = [closed_loop(a, j * len(addresses) + k) for k, a in enumerate(addresses) for j in range(cfg.background_clients)]
+    if cfg.background_rate > 0:
+        tasks += [open_loop(a, k) for k, a in enumerate(addresses)]
+    await asyncio.gather(*tasks)
+    return out
 
 
 async def run_programs(
@@ -354,7 +394,8 @@ async def run_programs_on(client: Any, engines: Sequence[str], cfg: RunConfig) -
     runtime = make_runtime(engines, cfg.policy, cfg.cost_model, cfg.routing, cfg.migrate)
     task_queue = f"hintflow-run-{uuid.uuid4().hex[:8]}"
     stop = asyncio.Event()
-    bg = asyncio.create_task(_background(engines, cfg, stop)) if cfg.background_clients else None
+    competing = cfg.background_clients or cfg.background_rate > 0
+    bg = asyncio.create_task(_background(engines, cfg, stop)) if competing else None
     t0 = time.monotonic()
     try:
         plugin = HintflowPlugin(runtime=runtime)
@@ -374,8 +415,8 @@ async def run_programs_on(client: Any, engines: Sequence[str], cfg: RunConfig) -
             reports = list(await asyncio.gather(*(h.result() for h in handles)))
     finally:
         stop.set()
-        num_background = await bg if bg is not None else 0
-    return summarize(cfg, reports, runtime, time.monotonic() - t0, num_background, engines)
+        background = await bg if bg is not None else Background()
+    return summarize(cfg, reports, runtime, time.monotonic() - t0, background, engines)
 
 
 def _seeded(inp: Any, seed: int, index: int) -> Any:
@@ -422,7 +463,7 @@ def summarize(
     reports: Sequence[Any],
     runtime: Any,
     wall_s: float,
-    num_background: int,
+    background: Background,
     engines: Sequence[str],
 ) -> dict[str, Any]:
     """Per program and in total: turns, JCT, TTFT per turn, cached/recomputed tokens, pins."""
@@ -473,7 +514,9 @@ def summarize(
         "pins_expired": totals.pins_expired,
         **_moves(runtime),
         **_thunder(runtime),
-        "background_requests": num_background,
+        "background_requests": background.num_requests,
+        "background_latency_p50_s": _q(background.latencies_s, 0.5),
+        "background_latency_p90_s": _q(background.latencies_s, 0.9),
         "wall_s": wall_s,
         "config": asdict(cfg),
     }

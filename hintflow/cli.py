@@ -486,6 +486,14 @@ def bench(as_json: bool, **kwargs: Any) -> None:
     "of the KV pool (program admission; 0: off).",
 )
 @click.option(
+    "--competing-rate",
+    "background_rate",
+    type=click.FloatRange(min=0.0),
+    default=4.0,
+    show_default=True,
+    help="Other tenants' cold 200-token prompts a second per node, Poisson arrivals (0: none).",
+)
+@click.option(
     "--out",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -503,6 +511,7 @@ def demo(
     fcfs_aging_s: float | None,
     ttft_deadline_s: float | None,
     admit_fraction: float,
+    background_rate: float,
     out_dir: Path,
 ) -> None:
     """Coding agents on Temporal and two engine nodes: vLLM-like behaviour, then with hints; side by side."""
@@ -520,6 +529,7 @@ def demo(
         fcfs_aging_s=fcfs_aging_s,
         ttft_deadline_s=ttft_deadline_s,
         admit_fraction=admit_fraction or None,
+        background_rate=background_rate,
     )
     click.echo(
         f"starting Temporal and {num_nodes} torch engine nodes; {programs} coding-agent programs x {turns} turns, "
@@ -661,7 +671,16 @@ def worker(
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="Competing tenants per node sending cold prompts while the programs run.",
+    help="Competing tenants per node sending cold prompts while the programs run, each its next as soon as "
+    "the last returns (closed loop).",
+)
+@click.option(
+    "--background-rate",
+    type=click.FloatRange(min=0.0),
+    default=0.0,
+    show_default=True,
+    help="Competing cold prompts a second per node, Poisson arrivals (open loop: the same load whatever the "
+    "node does with it).",
 )
 @click.option(
     "--device-blocks",

@@ -30,6 +30,10 @@ def _value(text: str) -> Any:
     if lowered == "none":
         return None
     try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
         return float(text)
     except ValueError:
         return text
@@ -50,8 +54,8 @@ def parse(spec: str) -> tuple[str, str, dict[str, Any]]:
     return label, policy, settings
 
 
-async def run(variants: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
-    cfg = DemoConfig()
+async def run(variants: list[tuple[str, str, dict[str, Any]]], demo: dict[str, Any]) -> dict[str, Any]:
+    cfg = DemoConfig(**demo)
     out: dict[str, Any] = {}
     async with local_temporal(None) as client:
         for label, policy, settings in variants:
@@ -64,7 +68,8 @@ async def run(variants: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]
             print(
                 f"{label:16s} JCT mean {r['jct_mean_s']:6.2f} p90 {r['jct_p90_s']:6.2f} s  "
                 f"TTFT p50 {r['ttft_p50_s']:5.2f} p90 {r['ttft_p90_s']:5.2f} s  "
-                f"hits {r['across_turn_hit_rate']:.1%}  competing requests {r['background_requests']}  "
+                f"hits {r['across_turn_hit_rate']:.1%}  competing requests {r['background_requests']} "
+                f"(p50 {r['background_latency_p50_s']:.2f} p90 {r['background_latency_p90_s']:.2f} s)  "
                 f"wall {r['wall_s']:.1f} s",
                 flush=True,
             )
@@ -77,9 +82,15 @@ def main(argv: list[str]) -> None:
         i = argv.index("--json")
         json_path = argv[i + 1]
         argv = argv[:i] + argv[i + 2 :]
+    demo: dict[str, Any] = {}  # --demo KEY=VALUE: a DemoConfig field (background_rate, background_clients, ...)
+    while "--demo" in argv:
+        i = argv.index("--demo")
+        key, _, value = argv[i + 1].partition("=")
+        demo[key] = _value(value)
+        argv = argv[:i] + argv[i + 2 :]
     if not argv:
         raise SystemExit(__doc__)
-    out = asyncio.run(run([parse(a) for a in argv]))
+    out = asyncio.run(run([parse(a) for a in argv], demo))
     if json_path is not None:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1)

@@ -17,6 +17,7 @@ CLI = [sys.executable, "-m", "hintflow"]
 def test_run_reports_every_program_and_turn(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     args = ["run", "coding-agent", "--programs", "2", "--set", "turns=3", "--time-scale", "0.01"]
+    args += ["--background-clients", "1"]  # a closed-loop competing tenant beside them
     r = subprocess.run(CLI + args + ["--json", str(out)], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -34,6 +35,7 @@ def test_run_reports_every_program_and_turn(tmp_path: Path) -> None:
     # The second program shares the coding agent's system prompt with the first: some prompt was cached.
     assert sum(sum(p["cached_tokens"]) for p in report["programs"]) > 0
     assert "total: 6 turns" in r.stdout
+    assert report["background_requests"] > 0 and report["background_latency_p50_s"] > 0  # the tenant was served
     assert "Temporal Server" not in r.stdout  # the dev server's banner goes to stderr, not into the report
 
 
