@@ -291,35 +291,36 @@ class Background:
 async def _background(addresses: Sequence[str], cfg: RunConfig, stop: asyncio.Event) -> Background:
     """Competing tenants' cold prompts on every node until ``stop``: ``background_clients`` closed-loop
     clients per node (each sends its next prompt when the last returns, so a node that serves them faster
-    is sent more), or ``background_rate`` prompts a second per node at Poisson arrivals (open loop: the
+    is sent more), and/or ``background_rate`` prompts a second per node at Poisson arrivals (open loop: the
     same offered load whatever the node does with it, as a serving benchmark's request rate)."""
     from workflows import turn_client
 
     out = Background()
 
-    async def request(c: Any, rng: random.Random, sid: str) -> None:
+    async def request(c: Any, rng: random.Random, sid: str) -> bool:
         prompt = [rng.randrange(256) for _ in range(cfg.background_prompt_tokens)]
         t0 = time.monotonic()
         try:
             await c.generate(prompt, 2, session_id=sid, program_id=sid)
         except Exception as exc:  # a competing tenant must not kill the run
             logger.warning("background request failed: %s", exc)
-            await asyncio.sleep(0.5)
-            return
+            return False
         out.latencies_s.append(time.monotonic() - t0)
         out.num_requests += 1
+        return True
 
     async def closed_loop(addr: str, i: int) -> None:
         rng = random.Random(cfg.seed * 1000 + i)
         async with turn_client(addr) as c:
             n = 0
             while not stop.is_set():
-                await request(c, rng, f"background-{i}-{n}")
+                if not await request(c, rng, f"background-{i}-{n}"):
+                    await asyncio.sleep(0.5)  # a node refusing at once would otherwise be hammered
                 n += 1
 
     async def open_loop(addr: str, i: int) -> None:
         rng = random.Random(cfg.seed * 1000 + 500 + i)
-        inflight: set[asyncio.Task[None]] = set()
+        inflight: set[asyncio.Task[bool]] = set()
         async with turn_client(addr) as c:
             n = 0
             while not stop.is_set():
