@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ._prefix_plan import PlanMemo
-from ._queue_place import queue_place
+from ._queue_place import holds_pin, queue_place
 from ._session import Session
 
 __all__ = ["Request", "RequestState"]
@@ -90,5 +90,5 @@ class Request:
         s = self.session
         prio = self.priority if self.priority is not None else s.priority_class
         start = s.program_start_s if s.program_start_s is not None else self.arrival_s
-        band, start = queue_place(start, self.arrival_s, pinned=s.pin_deadline_s is not None, aging_s=aging_s)
+        band, start = queue_place(start, self.arrival_s, pinned=holds_pin(s.pin_deadline_s, s.pinned_blocks), aging_s=aging_s)
         return (0 if self.preempted else 1, band, prio, start, self.arrival_s, self._seq)

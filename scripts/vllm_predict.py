@@ -110,8 +110,9 @@ def _mirror(
     ``pin_budget``: the one the real run gave every node (its report's ``config.pin_budget``; None: the
     node's own default, by host tier). ``host_guard``: whether the node ran its admission guard with a
     host tier (off in reports before the commit after a902ceb). ``admit_wait_s``: the longest admission
-    hold of a hintflow node without a host tier (its report's ``config.admit_max_wait_s``; None, reports
-    before it was recorded: the aging bound, as the baselines' nodes keep it). ``warm_first``: whether
+    hold of a hintflow node (its report's ``config.admit_max_wait_s``, or ``admit_max_wait_s_host`` for a
+    node with the host tier; None, reports before it was recorded: the aging bound, as the baselines'
+    nodes keep it). ``warm_first``: whether
     hintflow's nodes ran the warm-first rule (its report's ``config.warm_first``; reports before: not)."""
     host = mode.endswith("+host")
     budget = pin_budget if pin_budget is not None else PIN_BUDGET_WITH_HOST if host else PIN_BUDGET
@@ -123,7 +124,7 @@ def _mirror(
         spec += "," + _vllm_node(node_warm)
         if host_guard or not host:  # a hintflow node: its admission guard
             aging = spec.partition("scheduler.program_fcfs_aging_s=")[2].partition(",")[0]
-            own = base not in MODE_ENV and not host and admit_wait_s is not None  # hintflow's own modes
+            own = base not in MODE_ENV and admit_wait_s is not None  # hintflow's own modes
             spec += "," + _admission(str(admit_wait_s) if own else aging)
     if not host:
         return spec
@@ -228,7 +229,8 @@ def calibrate(
               if m.endswith("+host") == host and m.removesuffix("+host") in MIRRORS and row.get("node_prefill_share")]
     share_mode, share = shares[0] if shares else (None, None)
     specs = [_mirror(ref, host_save, budget)] + (
-        [_mirror(share_mode, host_save, budget, host_guard, real["config"].get("admit_max_wait_s"),
+        [_mirror(share_mode, host_save, budget, host_guard,
+                 real["config"].get("admit_max_wait_s_host" if host else "admit_max_wait_s"),
                  real["config"].get("warm_first", False))] if share_mode else []
     )
     best: tuple[float, str, dict[str, float]] | None = None
@@ -295,7 +297,7 @@ def main() -> None:
             budget = real["config"].get("pin_budget")
             if budget is None and not host:
                 budget = a.device_pin_budget
-            wait = real["config"].get("admit_max_wait_s")
+            wait = real["config"].get("admit_max_wait_s_host" if host else "admit_max_wait_s")
             warm = real["config"].get("warm_first", False)  # (reports before the rule: its nodes had none)
             specs = [_variant_mirror(m, variants[m], a.host_save, budget, host_guard, wait, warm) if m in variants
                      else _mirror(m, a.host_save, budget, host_guard, wait, warm) for m in group]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine_adapter._queue_place import queue_place
+from engine_adapter._queue_place import holds_pin, queue_place
 from engine_adapter._request import Request
 from engine_adapter._session import Session
 from engine_adapter.vllm_backend._hint_scheduler import HintSchedulerMixin
@@ -29,6 +29,7 @@ def _embedded_order(aging_s: float) -> list[str]:
     reqs = []
     for i, (prog, start, arrival, pinned) in enumerate(SCENE):
         s = Session(f"{prog}-s", prog, created_s=start, program_start_s=start, pin_deadline_s=99.0 if pinned else None)
+        s.pinned_blocks = 2 if pinned else 0
         r = Request(f"r{i}", s, [1, 2, 3], max_new_tokens=1, arrival_s=arrival)
         r._seq = i
         reqs.append(r)
@@ -47,6 +48,7 @@ def _vllm_order(aging_s: float) -> list[str]:
     for i, (prog, start, arrival, pinned) in enumerate(SCENE):
         s = VSession(f"{prog}-s", prog, first_seen_s=start, last_active_s=arrival, program_start_s=start)
         s.pin_deadline_s = 99.0 if pinned else None
+        s.held = [object(), object()] if pinned else []  # type: ignore[list-item]  # (only counted)
         now["t"] = arrival
         keyed.append((HintSchedulerMixin.priority_for(host, s, 0, f"r{i}"), prog))
     return [prog for _, prog in sorted(keyed)]
@@ -56,6 +58,32 @@ def _vllm_order(aging_s: float) -> list[str]:
 def test_both_engines_order_the_scene_alike(aging_s: float, order: list[str]) -> None:
     assert _embedded_order(aging_s) == order
     assert _vllm_order(aging_s) == order
+
+
+def test_a_lease_that_holds_no_blocks_is_not_the_pinned_band_on_either_engine() -> None:
+    """A pin the budget clamped to nothing keeps no memory for its turn: the turn is placed as an unpinned
+    one (``holds_pin``), behind warm turns, and an older program's cold one goes first as ever."""
+    assert holds_pin(30.0, 3) and not holds_pin(30.0, 0) and not holds_pin(None, 3)
+    host: Any = SimpleNamespace(
+        _priority_policy=lambda: True, _req_start={}, book=SimpleNamespace(clock=lambda: 5.0),
+        aging_s=math.inf, pinned_first=True, _epoch_s=0.0,
+    )  # fmt: skip
+    old = VSession("old-s", "old", first_seen_s=0.0, last_active_s=4.0, program_start_s=0.0)
+    young = VSession("young-s", "young", first_seen_s=3.0, last_active_s=4.0, program_start_s=3.0)
+    young.pin_deadline_s = 60.0  # leased, nothing held
+    cold_old = HintSchedulerMixin.priority_for(host, old, 0, "r0")
+    assert HintSchedulerMixin.priority_for(host, young, 0, "r1") > cold_old
+    young.held = [object()]  # type: ignore[list-item]  # now it keeps a block: the pinned band
+    assert HintSchedulerMixin.priority_for(host, young, 0, "r2") < cold_old
+    # the embedded node's key alike
+    es_old = Session("old-s", "old", created_s=0.0, program_start_s=0.0)
+    es_young = Session("young-s", "young", created_s=3.0, program_start_s=3.0, pin_deadline_s=60.0)
+    r_old = Request("r0", es_old, [1, 2, 3], max_new_tokens=1, arrival_s=4.0)
+    r_young = Request("r1", es_young, [1, 2, 3], max_new_tokens=1, arrival_s=4.0)
+    r_old._seq, r_young._seq = 0, 1
+    assert r_young.sort_key() > r_old.sort_key()
+    es_young.pinned_blocks = 1
+    assert r_young.sort_key() < r_old.sort_key()
 
 
 def test_the_place_itself() -> None:

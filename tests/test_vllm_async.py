@@ -264,7 +264,7 @@ def test_the_auto_class_builds_the_one_that_matches_the_engine(report: dict[str,
 
 def test_a_node_without_a_host_tier_holds_new_programs_for_its_own_default(report: dict[str, Any]) -> None:
     """Program admission's longest hold: ADMIT_MAX_WAIT_S on a node without a host tier (not the aging
-    bound, which a node with the host tier keeps), whatever the scheduler class."""
+    bound, nor the host tier's ADMIT_MAX_WAIT_S_WITH_HOST), whatever the scheduler class."""
     from engine_adapter.vllm_backend import ADMIT_MAX_WAIT_S, AGING_S
 
     assert ADMIT_MAX_WAIT_S != AGING_S

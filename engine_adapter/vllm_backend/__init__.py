@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     )
     from engine_adapter.vllm_backend._hint_scheduler import (
         ADMIT_MAX_WAIT_S,
+        ADMIT_MAX_WAIT_S_WITH_HOST,
         AGING_S,
         PIN_BUDGET,
         PIN_BUDGET_WITH_HOST,
@@ -63,6 +64,7 @@ _LAZY: dict[str, str] = {
     "check_vllm_python": "engine_adapter.vllm_backend._compat",
     "missing_internals": "engine_adapter.vllm_backend._compat",
     "ADMIT_MAX_WAIT_S": "engine_adapter.vllm_backend._hint_scheduler",
+    "ADMIT_MAX_WAIT_S_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
     "AGING_S": "engine_adapter.vllm_backend._hint_scheduler",
     "PIN_BUDGET": "engine_adapter.vllm_backend._hint_scheduler",
     "PIN_BUDGET_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
@@ -88,6 +90,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "ADMIT_MAX_WAIT_S",
+    "ADMIT_MAX_WAIT_S_WITH_HOST",
     "AGING_S",
     "ASYNC_SCHEDULER_CLS",
     "AUTO_SCHEDULER_CLS",
