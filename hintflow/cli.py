@@ -486,12 +486,13 @@ def bench(as_json: bool, **kwargs: Any) -> None:
     "of the KV pool (program admission; 0: off).",
 )
 @click.option(
-    "--competing-rate",
+    "--background-rate",
+    "--competing-rate",  # its name until hintflow run's option of the same meaning was the one kept
     "background_rate",
     type=click.FloatRange(min=0.0),
     default=4.0,
     show_default=True,
-    help="Other tenants' cold 200-token prompts a second per node, Poisson arrivals (0: none).",
+    help="Other tenants' cold 200-token prompts a second per node, Poisson arrivals (open loop; 0: none).",
 )
 @click.option(
     "--out",

@@ -11,7 +11,7 @@ from pathlib import Path
 def test_demo_runs_both_modes_and_writes_table_plots_and_json(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     args = ["--programs", "3", "--turns", "3", "--nodes", "1", "--time-scale", "0.02", "--out", str(out)]
-    args += ["--competing-rate", "8"]  # open loop: the same competing load in both modes
+    args += ["--background-rate", "8"]  # open loop: the same competing load in both modes
     r = subprocess.run(
         [sys.executable, "-m", "hintflow", "demo", *args], capture_output=True, text=True, timeout=300
     )
