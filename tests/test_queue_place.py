@@ -60,16 +60,23 @@ def test_both_engines_order_the_scene_alike(aging_s: float, order: list[str]) ->
     assert _vllm_order(aging_s) == order
 
 
-def test_a_lease_that_holds_no_blocks_is_not_the_pinned_band_on_either_engine() -> None:
-    """A pin the budget clamped to nothing keeps no memory for its turn: the turn is placed as an unpinned
-    one (``holds_pin``), behind warm turns, and an older program's cold one goes first as ever."""
-    assert holds_pin(30.0, 3) and not holds_pin(30.0, 0) and not holds_pin(None, 3)
+def _old_and_young() -> tuple[Any, VSession, VSession]:
+    """A stand-in for the vLLM scheduler (strict program FCFS, at t=5) and two sessions: an old program's
+    (started at 0) and a young one's (started at 3), both back at t=4."""
     host: Any = SimpleNamespace(
         _priority_policy=lambda: True, _req_start={}, book=SimpleNamespace(clock=lambda: 5.0),
         aging_s=math.inf, pinned_first=True, _epoch_s=0.0,
     )  # fmt: skip
     old = VSession("old-s", "old", first_seen_s=0.0, last_active_s=4.0, program_start_s=0.0)
     young = VSession("young-s", "young", first_seen_s=3.0, last_active_s=4.0, program_start_s=3.0)
+    return host, old, young
+
+
+def test_a_lease_that_holds_no_blocks_is_not_the_pinned_band_on_either_engine() -> None:
+    """A pin the budget clamped to nothing keeps no memory for its turn: the turn is placed as an unpinned
+    one (``holds_pin``), behind warm turns, and an older program's cold one goes first as ever."""
+    assert holds_pin(30.0, 3) and not holds_pin(30.0, 0) and not holds_pin(None, 3)
+    host, old, young = _old_and_young()
     young.pin_deadline_s = 60.0  # leased, nothing held
     cold_old = HintSchedulerMixin.priority_for(host, old, 0, "r0")
     assert HintSchedulerMixin.priority_for(host, young, 0, "r1") > cold_old
@@ -127,12 +134,7 @@ def test_the_vllm_nodes_cached_run_is_found_on_the_device_then_on_the_host() -> 
 
 def test_the_vllm_node_puts_a_warm_turn_in_the_pinned_band() -> None:
     """A warm turn of a younger program goes ahead of an older program's cold one (``priority_for``)."""
-    host: Any = SimpleNamespace(
-        _priority_policy=lambda: True, _req_start={}, book=SimpleNamespace(clock=lambda: 5.0),
-        aging_s=math.inf, pinned_first=True, _epoch_s=0.0,
-    )  # fmt: skip
-    old = VSession("old-s", "old", first_seen_s=0.0, last_active_s=4.0, program_start_s=0.0)
-    young = VSession("young-s", "young", first_seen_s=3.0, last_active_s=4.0, program_start_s=3.0)
+    host, old, young = _old_and_young()
     cold_old = HintSchedulerMixin.priority_for(host, old, 0, "r0")
     assert HintSchedulerMixin.priority_for(host, young, 0, "r1") > cold_old
     assert HintSchedulerMixin.priority_for(host, young, 0, "r2", warm=True) < cold_old
