@@ -102,6 +102,11 @@ def _admission(max_wait_s: str) -> str:
     return f"scheduler.admit_fraction=1.0,scheduler.admit_max_wait_s={max_wait_s}"
 
 
+def _admit_wait(real: dict[str, Any], host: bool) -> float | None:
+    """The admission hold a real report's hintflow nodes ran at this memory point (None: not recorded)."""
+    return real["config"].get("admit_max_wait_s_host" if host else "admit_max_wait_s")
+
+
 def _mirror(
     mode: str, host_save: str = "evict", pin_budget: float | None = None, host_guard: bool = True,
     admit_wait_s: float | None = None, warm_first: bool = True,
@@ -230,7 +235,7 @@ def calibrate(
     share_mode, share = shares[0] if shares else (None, None)
     specs = [_mirror(ref, host_save, budget)] + (
         [_mirror(share_mode, host_save, budget, host_guard,
-                 real["config"].get("admit_max_wait_s_host" if host else "admit_max_wait_s"),
+                 _admit_wait(real, host),
                  real["config"].get("warm_first", False))] if share_mode else []
     )
     best: tuple[float, str, dict[str, float]] | None = None
@@ -297,7 +302,7 @@ def main() -> None:
             budget = real["config"].get("pin_budget")
             if budget is None and not host:
                 budget = a.device_pin_budget
-            wait = real["config"].get("admit_max_wait_s_host" if host else "admit_max_wait_s")
+            wait = _admit_wait(real, host)
             warm = real["config"].get("warm_first", False)  # (reports before the rule: its nodes had none)
             specs = [_variant_mirror(m, variants[m], a.host_save, budget, host_guard, wait, warm) if m in variants
                      else _mirror(m, a.host_save, budget, host_guard, wait, warm) for m in group]
