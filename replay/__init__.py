@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     )
     from replay._setup import WORKLOAD_DEFAULTS, ReplaySetup, estimate_live_context_tokens, run_replay
     from replay._sim import SimResult, Simulation
-    from replay._vllm_bench import MODE_ENV
+    from replay._vllm_bench import MODE_ENV, vllm_counters
     from replay._vllm_bench import main as vllm_bench_main
 
 __all__ = [
@@ -99,6 +99,7 @@ __all__ = [
     "run_replay",
     "scale_tokens",
     "vllm_bench_main",
+    "vllm_counters",
     "with_poisson_arrivals",
     "writable_parent",
     "write_plots",
@@ -117,6 +118,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{n: ("replay._cli", n) for n in ("replay_command", "writable_parent")},
     "vllm_bench_main": ("replay._vllm_bench", "main"),
     "MODE_ENV": ("replay._vllm_bench", "MODE_ENV"),
+    "vllm_counters": ("replay._vllm_bench", "vllm_counters"),
 }
 
 

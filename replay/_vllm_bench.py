@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -218,6 +218,14 @@ def run_mode(
 def vllm_counter(base: str, name: str) -> float | None:
     """A counter from the server's own ``/metrics`` (every label summed; vLLM names it with ``_total``),
     None when it cannot be read: a figure stock vLLM and hintflow's node report alike."""
+    values = vllm_counters(base, (name,))
+    return values.get(name) if values is not None else None
+
+
+def vllm_counters(base: str, names: Sequence[str]) -> dict[str, float] | None:
+    """The named samples of the server's ``/metrics`` in one read, each summed over its labels (a
+    histogram's ``_sum`` and ``_count`` are samples too); a name the server does not serve is left out.
+    None when the server does not answer."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -225,8 +233,12 @@ def vllm_counter(base: str, name: str) -> float | None:
             text = resp.read().decode()
     except OSError:
         return None
-    values = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
-    return sum(values) if values else None
+    wanted, out = set(names), dict[str, float]()
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name in wanted:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
 def ensure_model(python: str, model: Path) -> None:

@@ -19,7 +19,8 @@ import os
 import re
 import sys
 import time
-import urllib.request
+
+from replay import vllm_counters
 
 LOG_DIR = "/tmp/hintflow-replay-vllm"
 SERIES = (
@@ -40,16 +41,11 @@ def watch(out_path: str, seconds: float) -> None:
                     m = re.search(r"'port': (\d+)", f.read(20000))
                 if m is None:
                     continue
-                try:
-                    url = f"http://127.0.0.1:{m.group(1)}/metrics"
-                    body = urllib.request.urlopen(url, timeout=1).read().decode()
-                except OSError:
-                    continue
+                values = vllm_counters(f"http://127.0.0.1:{m.group(1)}", SERIES)
+                if values is None:
+                    continue  # (not up yet, or gone)
                 row: dict[str, float | str] = {"t": time.time(), "log": os.path.basename(log)}
-                for name in SERIES:
-                    mm = re.search(re.escape(name) + r"\{[^}]*\} ([0-9.e+]+)", body)
-                    if mm:
-                        row[name.split(":")[1]] = float(mm.group(1))
+                row.update({name.split(":")[1]: v for name, v in values.items()})
                 out.write(json.dumps(row) + "\n")
                 out.flush()
             time.sleep(2)
