@@ -125,6 +125,29 @@ def test_a_chain_loses_its_tail_before_its_head() -> None:
     idx.check()
 
 
+def test_loaded_blocks_go_first_in_line_tail_first_and_stay_until_a_save_needs_them() -> None:
+    """A load puts the blocks back on the device: the host copies are spares, evicted before any block the
+    device has lost, the chain's tail first; a slot still being read is not handed out."""
+    idx = HostIndex(4)
+    for h in ("lost", "c0", "c1", "c2"):
+        idx.reserve(h)
+    slots = [idx.slot_of(h) for h in ("c0", "c1", "c2")]
+    assert None not in slots
+    idx.lock(slots)  # a step plans the loads of c0..c2 (the connector locks them) ...
+    assert idx.reserve("n0") == idx.slot_of("n0") and "lost" not in idx  # ... so a save takes another slot
+    idx.release_loads(slots)  # ... and ships them
+    assert idx.match(["c0", "c1", "c2"], 0, 3) == slots  # still matched until a save needs the room
+    idx.reserve("n1")
+    assert "c2" not in idx and "n0" in idx  # the spare tail went, not the older save
+    idx.reserve("n2")
+    assert "c1" not in idx and "c0" in idx
+    idx.touch("c0")  # the device evicted c0 again while its copy was here: back in line, no copy
+    idx.reserve("n3")
+    assert "c0" in idx and "n0" not in idx
+    assert idx.stats.num_demoted_blocks == 0  # (demotions count released programs' blocks only)
+    idx.check()
+
+
 def test_host_tier_config_names_the_connector() -> None:
     cfg = host_tier_config(4096)
     assert cfg["kv_connector_module_path"] == CONNECTOR_MODULE

@@ -15,7 +15,8 @@ connector plans is reserved ``pending``: its slot stays locked until ``ship`` (t
 the worker), so no later save of the same step can take that slot again (one step's saves are applied
 by one ``index_copy_``, whose result is undefined on CUDA when an index repeats). ``touch_chain`` puts
 a prompt's blocks back in line head last, so a chain loses its tail before its head (a host run that
-lost its head matches nothing). ``demote`` puts a released program's blocks first in line for
+lost its head matches nothing). ``release_loads`` puts the blocks a step loaded back to the device first in
+line: the device holds them now. ``demote`` puts a released program's blocks first in line for
 eviction, so they never push out a session that will resume.
 
 No vLLM import: the book is tested on its own, and ``_serve`` builds the connector's config from here.
@@ -175,6 +176,20 @@ class HostIndex:
         for h in reversed(block_hashes):
             if h in self._slot_of:
                 self._slot_of.move_to_end(h)
+
+    def release_loads(self, slots: Sequence[int]) -> None:
+        """The loads from these slots were shipped to the worker: unlock them and put them first in line
+        for eviction, each load's chain tail first (``slots`` in load order, each chain head first).
+
+        Why first: the device holds those blocks now, so the host copy is a spare that would otherwise
+        take a slot from a context the device has lost (the tier holds what the device does not). The
+        copy stays until a save needs the slot; when the device evicts the block again while the copy is
+        still here, the save finds it (``in``) and touches it instead of copying it."""
+        self.unlock(slots)
+        for slot in slots:
+            h = self._hash_of.get(slot)
+            if h is not None:
+                self._slot_of.move_to_end(h, last=False)
 
     def demote(self, block_hashes: Iterable[Hashable]) -> int:
         """Put these blocks first in line for eviction (a released program's: no turn of it will read them;
