@@ -66,3 +66,19 @@ def test_the_start_up_line_says_whether_the_class_matches(
     with caplog.at_level(logging.INFO, logger="vllm.hintflow"):
         log_async_mode("Cls", class_async, engine_async)
     assert [(r.levelno, says in r.getMessage()) for r in caplog.records] == [(level, True)]
+
+
+def test_step_times_split_hintflow_vllm_and_model_and_start_again_after_each_line() -> None:
+    from engine_adapter.vllm_backend._step_times import StepTimes
+
+    t = StepTimes()
+    assert t.line() == "step_ms=0.00/0.00/0.0"  # no step yet: zeros, not a division by zero
+    t.scheduled(total_s=0.004, vllm_s=0.001)  # hintflow's rules took 3 ms around vLLM's 1 ms
+    t.updated(total_s=0.0015, vllm_s=0.0005)  # and 1 ms more after the step
+    t.scheduled(total_s=0.002, vllm_s=0.002)
+    t.computed(0.030)
+    t.computed(0.050)
+    assert t.line() == "step_ms=2.00/1.75/40.0"
+    assert t.line() == "step_ms=0.00/0.00/0.0"
+    t.scheduled(total_s=0.001, vllm_s=0.002)  # clock jitter never makes hintflow's share negative
+    assert t.line().startswith("step_ms=0.00/")

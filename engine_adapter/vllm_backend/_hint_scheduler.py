@@ -73,6 +73,7 @@ from ._context_moves import KvLayout, kv_layout
 from ._host_index import HOST_RELOAD_S_PER_TOKEN
 from ._infer import HintInference, env_float, env_on, infer_enabled
 from ._sessions import SessionBook, VSession
+from ._step_times import StepTimes
 from ._warm import num_cached_tokens
 
 if TYPE_CHECKING:
@@ -231,6 +232,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 measured_price=env_on("HINTFLOW_INFER_MEASURED_PRICE", "1"),
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
+        self.step_times = StepTimes()  # what hintflow's rules add to each step (the 10 s log line)
         self._next_log_s = 0.0
         # Program FCFS gives an older program's turn at most this head start over a newer arrival, so
         # new programs' first turns cannot starve under overload (inf: strict program FCFS).
@@ -424,6 +426,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     # ---- the step --------------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         with self.hint_lock:
+            start_s = time.perf_counter()
             self.book.expire()
             if self.infer is not None:
                 self.infer.sweep()
@@ -432,10 +435,12 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 self._yield_pins_to_older()
             self._sync_pinned_band()
             self._admit = self._admission_state() if self.admit_guard and self.waiting else None
+            vllm_start_s = time.perf_counter()
             try:
                 out = super().schedule(*args, **kwargs)
             finally:
                 self._admit = None
+            vllm_s = time.perf_counter() - vllm_start_s
             for new in out.scheduled_new_reqs:
                 s = self._req_session.get(new.req_id)
                 req = self.requests.get(new.req_id)
@@ -468,6 +473,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             computing = self.steps.computing
             num_decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
             self.steps.scheduled(out, out.total_num_scheduled_tokens, self.book.clock(), num_decodes)
+            self.step_times.scheduled(time.perf_counter() - start_s, vllm_s)
             self._log_stats()
             starved = out.total_num_scheduled_tokens == 0 and (len(self.waiting) or len(self.running))
             if starved and not computing and self.book.num_pinned_blocks and self.book.force_unpin_latest():
@@ -495,22 +501,27 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         a = self.admit_stats
         log.info(
             "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d%s"
-            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d",
+            " admit: in_flight=%d held_steps=%d fit=%d idle=%d aged=%d %s",
             self.book.num_pinned_blocks, len(self.book.sessions), st.pin_expiries, st.pin_clamps,
             st.forced_unpins, st.yielded_pins, self.grace_holds, extra, len(self._started), a["held"], a["fit"],
-            a["idle"], a["aged"],
+            a["idle"], a["aged"], self.step_times.line(),
         )  # fmt: skip
 
     def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         with self.hint_lock:
+            start_s = time.perf_counter()
             step = self.steps.returned(scheduler_output, self.book.clock())
             if step is not None:
                 tokens, seconds, num_decodes = step
+                self.step_times.computed(seconds)
                 self.prefill_share.observe(tokens - num_decodes, num_decodes, seconds)
                 if self.infer is not None:
                     self.infer.observe_step(tokens, seconds)
+            vllm_start_s = time.perf_counter()
             out = super().update_from_output(scheduler_output, *args, **kwargs)
+            vllm_s = time.perf_counter() - vllm_start_s
             self.accounting.after_step()
+            self.step_times.updated(time.perf_counter() - start_s, vllm_s)
             return out
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
