@@ -12,6 +12,8 @@ scheduler and under hintflow's, with a 24-block pool:
   loaded is the KV it computed: a copy made after that step's forward would carry another prompt's);
 - the control: flooded out again, with the host copy overwritten by zeros, A's log-probs must differ
   (so the comparison above can fail);
+- the blocks a load read go first in line for eviction once the step's copies are shipped (the device holds
+  them again);
 - hintflow's scheduler does not save a turn flagged ``is_last_turn`` when the device evicts it, puts the released program's host
   blocks first in line for eviction, and counts host hits as ``host_hit`` tokens; every device block is
   free again at the end (none lost to a delayed free).
@@ -79,7 +81,20 @@ def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> 
         out["cache_state"] = {"host_total_blocks": st.host_total_blocks, "host_free_blocks": st.host_free_blocks,
                               "pa_host_tokens": pa[0].host_tokens if pa else None,
                               "host_reload_s_per_token": st.host_reload_s_per_token}  # fmt: skip
+    # The copies a load reads are spares once shipped: they must go first in line (HostIndex.release_loads)
+    released: list[Any] = []
+    release = tier.index.release_loads
+
+    def recording(slots: list[int]) -> None:
+        released.extend(tier.index.slot_hash(s) for s in slots)
+        release(slots)
+
+    tier.index.release_loads = recording
     out["again"] = run(a, program_id="pa", is_last_turn=True)  # under hintflow: releases program pa
+    tier.index.release_loads = release
+    order = tier.index.order()
+    out["released_loads"] = len(released)
+    out["released_first_in_line"] = set(order[: len(released)]) == set(released)
     for seed in (5, 6, 7):
         run(_prompt(seed))
     for t in worker_tier._host.values():
@@ -178,6 +193,13 @@ def test_a_flooded_prefix_comes_back_from_the_host_with_the_same_kv(report: dict
     assert r["again"]["cached"] >= 1280, r  # 10+ full blocks of 128 found (on the host: the pool was flooded)
     assert r["stats"]["num_loaded_blocks"] >= 10
     assert r["again"]["logprobs"] == pytest.approx(r["first"]["logprobs"], abs=1e-3)
+
+
+@pytest.mark.parametrize("scheduler", ["stock", "hintflow"])
+def test_a_loaded_blocks_host_copy_goes_first_in_line(report: dict[str, Any], scheduler: str) -> None:
+    r = report[scheduler]
+    assert r["released_loads"] >= 10, r  # the connector released the slots of the load it shipped ...
+    assert r["released_first_in_line"], r  # ... to the front of the eviction order
 
 
 @pytest.mark.parametrize("scheduler", ["stock", "hintflow"])

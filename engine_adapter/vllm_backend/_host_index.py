@@ -111,6 +111,14 @@ class HostIndex:
     def slot_of(self, block_hash: Hashable) -> int | None:
         return self._slot_of.get(block_hash)
 
+    def slot_hash(self, slot: int) -> Hashable | None:
+        """The block a slot holds (None: free)."""
+        return self._hash_of.get(slot)
+
+    def order(self) -> list[Hashable]:
+        """The held blocks, first in line for eviction first."""
+        return list(self._slot_of)
+
     def match(self, block_hashes: Sequence[Hashable], start: int, max_blocks: int) -> list[int]:
         """Slots of the consecutive blocks ``block_hashes[start:]`` the host holds (at most ``max_blocks``)."""
         slots: list[int] = []
