@@ -194,20 +194,23 @@ class HostIndex:
         copy stays until a save needs the slot; when the device evicts the block again while the copy is
         still here, the save finds it (``in``) and touches it instead of copying it."""
         self.unlock(slots)
-        for slot in slots:
-            h = self._hash_of.get(slot)
-            if h is not None:
-                self._slot_of.move_to_end(h, last=False)
+        self._to_front(self._hash_of[slot] for slot in slots if slot in self._hash_of)
 
     def demote(self, block_hashes: Iterable[Hashable]) -> int:
         """Put these blocks first in line for eviction (a released program's: no turn of it will read them;
         a block another session shares moves back to the end when that session saves or loads it)."""
+        n = self._to_front(block_hashes)
+        self.stats.num_demoted_blocks += n
+        return n
+
+    def _to_front(self, block_hashes: Iterable[Hashable]) -> int:
+        """Move the held ones of these blocks to the front of the line, in order (the last ends up first);
+        how many were held."""
         n = 0
         for h in block_hashes:
             if h in self._slot_of:
                 self._slot_of.move_to_end(h, last=False)
                 n += 1
-        self.stats.num_demoted_blocks += n
         return n
 
     def _evict_one(self) -> int | None:

@@ -33,8 +33,7 @@ class StepTimes:
     def scheduled(self, total_s: float, vllm_s: float) -> None:
         """One ``schedule()`` call took ``total_s``, of which ``vllm_s`` in vLLM's own."""
         self.num_scheduled += 1
-        self.hintflow_s += max(0.0, total_s - vllm_s)
-        self.vllm_s += vllm_s
+        self.updated(total_s, vllm_s)
 
     def updated(self, total_s: float, vllm_s: float) -> None:
         """One ``update_from_output()`` call: hintflow's part counts with the step's scheduling."""
