@@ -1,6 +1,8 @@
 """Does the replay predict the real vLLM node? Calibrate on stock vLLM, then predict every other mode.
 
     python scripts/vllm_predict.py REAL.json [--json OUT]
+    python scripts/vllm_predict.py REAL.json --turns MODE [--fit OUT]   # one mode, turn by turn
+
 
 REAL.json is a ``hintflow replay --backend vllm --json`` report with a ``vanilla`` row (same trace, same
 pool, one sitting); ``MODE+host`` rows are predicted on a node with the report's host tier and compared
@@ -25,6 +27,11 @@ is left out. What the mirrors leave out (the replay has no such mechanism): the 
 inference (``hintflow-infer``) is mirrored by the orchestrator's ``hintflow`` policy with memory share,
 which prices pins alike but measures T differently; and the gap before a pushed hint reaches the node,
 which the node's turn-end grace (``HINTFLOW_PIN_GRACE_S``) closes.
+
+``--turns MODE`` replays one mode's mirror (fitted afresh, or with the profile an earlier ``--json OUT`` of
+the same report kept, ``--fit OUT``: a minute instead of several) and joins it turn by turn with the real
+run's first round of that mode (``mirror_turns.py``): the history each found by send time and by pause,
+the TTFT tail of first and returning turns, and the slowest turns on each side.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ import math
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from mirror_turns import format_turns, pair_turns
 
 from engine_adapter.vllm_backend import AGING_S, PIN_BUDGET, PIN_BUDGET_WITH_HOST
 from replay import MODE_ENV, ReplaySetup, get_replay_config, parse_variant, report_json, run_replay
@@ -254,6 +263,39 @@ def calibrate(
     return best[1], best[2], math.sqrt(best[0] / (len(KEYS) + (share is not None)))
 
 
+def _spec(real: dict[str, Any], mode: str, variants: dict[str, Any], host_save: str, host_guard: bool,
+          device_pin_budget: float) -> str:  # fmt: skip
+    """The replay spec of a real mode's mirror, with the report's node settings (a variant's on top)."""
+    host = mode.endswith("+host")
+    budget = real["config"].get("pin_budget")
+    if budget is None and not host:
+        budget = device_pin_budget
+    wait = _admit_wait(real, host)
+    warm = real["config"].get("warm_first", False)  # (reports before the rule: its nodes had none)
+    if mode in variants:
+        return _variant_mirror(mode, variants[mode], host_save, budget, host_guard, wait, warm)
+    return _mirror(mode, host_save, budget, host_guard, wait, warm)
+
+
+def _turns(real: dict[str, Any], mode: str, variants: dict[str, Any], a: argparse.Namespace, host_guard: bool) -> None:
+    """``--turns MODE``: its mirror, replayed once, beside the real run turn by turn."""
+    host, ref = mode.endswith("+host"), _reference(mode)
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.fit is not None:
+            profiles = json.loads(a.fit.read_text()).get("profiles", {})
+            if ref not in profiles:
+                raise SystemExit(f"--fit {a.fit}: no profile fitted to {ref} (it has: {', '.join(profiles) or 'none'})")
+            path = str(Path(tmp) / "fit.json")
+            Path(path).write_text(json.dumps(profiles[ref]))
+        else:
+            path = calibrate(real, Path(tmp), host=host, host_save=a.host_save, host_guard=host_guard)[0]
+        spec = _spec(real, mode, variants, a.host_save, host_guard, a.device_pin_budget)
+        _, results = run_replay(_setup(real, path, host=host), [parse_variant(spec, [])], jobs=1)
+    pairs = pair_turns(real["programs"][mode], results[0].turns)
+    print(f"{mode}: the real run's first round ({len(pairs)} turns) beside its mirror\n")
+    print(format_turns(pairs))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("real", type=Path)
@@ -269,6 +311,9 @@ def main() -> None:
     ap.add_argument("--host-guard", choices=("on", "off"), default="on",
                     help="whether the +host modes' nodes ran the admission guard: off for reports before the "
                          "commit after a902ceb [on]")
+    ap.add_argument("--turns", metavar="MODE", help="compare one mode turn by turn with its mirror")
+    ap.add_argument("--fit", type=Path, metavar="OUT",
+                    help="with --turns: the fitted profiles of an earlier run on this report (its --json OUT)")
     a = ap.parse_args()
     host_guard = a.host_guard == "on"
     real = json.loads(a.real.read_text())
@@ -285,6 +330,11 @@ def main() -> None:
     if not any(m in modes for m in ("vanilla", "vanilla+host")):
         raise SystemExit(f"{a.real}: no vanilla or vanilla+host row to calibrate on")
     modes = [m for m in modes if _reference(m) in modes]  # a ratio needs its stock row from the same run
+    if a.turns is not None:
+        if a.turns not in modes:
+            raise SystemExit(f"--turns {a.turns}: not a mirrored mode of {a.real} (those: {', '.join(modes)})")
+        _turns(real, a.turns, variants, a, host_guard)
+        return
     pred: dict[str, dict[str, float]] = {}
     fits: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -299,13 +349,7 @@ def main() -> None:
                   f"b {profile['prefill_b_s_per_token']:.3g} s/token, c {profile['prefill_c_s_per_token2']:.3g} "
                   f"s/token², decode step {profile['decode_base_s']:.3g} s (replayed {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s "
                   f"JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
-            budget = real["config"].get("pin_budget")
-            if budget is None and not host:
-                budget = a.device_pin_budget
-            wait = _admit_wait(real, host)
-            warm = real["config"].get("warm_first", False)  # (reports before the rule: its nodes had none)
-            specs = [_variant_mirror(m, variants[m], a.host_save, budget, host_guard, wait, warm) if m in variants
-                     else _mirror(m, a.host_save, budget, host_guard, wait, warm) for m in group]
+            specs = [_spec(real, m, variants, a.host_save, host_guard, a.device_pin_budget) for m in group]
             got = _replay(_setup(real, path, host=host), specs)
             names = [s.partition("=")[0] if "=" in s else s for s in specs]
             pred.update({m: got[n] for m, n in zip(group, names, strict=True)})
