@@ -32,6 +32,12 @@ the pool could hold its whole prompt, as vLLM 0.32 does (``SchedulerConfig.admit
   prefix cache, and SGLang's radix cache until the turn is scheduled: a waiting request holds no blocks);
   off, the node keeps queued turns' contexts while a parked one is left, as hintflow's engines do. On for
   the baseline rows that retain contexts.
+* ``resend_outputs``: a turn's output goes back into its session's next prompt, as an agent's reply does
+  (on for every registered row). The vLLM benchmark's client (``replay/_vllm_agents.py``) sends each
+  turn's trace tokens only, so its next prompt extends the last prompt, not prompt and output; the
+  replay's mirrors of its nodes (``scripts/vllm_predict.py``) run with it off. On trace B the outputs
+  (about 20 tokens a turn) made the mirrors' prompts 4% longer than the real ones, 20 tokens a turn more
+  with every turn.
 * ``cold_prefill_cap``: the hintflow engine's cap on cold prefills while warm work shares a step; vLLM
   (and the systems built on it) have no such cap, so the baselines run with the whole step budget.
   ``hintflow`` runs with it, as the engine ships.  Measured both ways: on the replay's workloads, which
@@ -107,6 +113,7 @@ class ReplayConfig:
     host_write_through: bool = False  # the host tier as vLLM's connectors fill it (see the docstring)
     warm_first: bool = True  # warm turns admitted in a pass before cold ones (see the docstring)
     evict_queued: bool = False  # a queued turn's context evicted as a parked one (see the docstring)
+    resend_outputs: bool = True  # a turn's output is part of its session's next prompt (see the docstring)
     cold_prefill_cap: bool = False
     infinite_kv: bool = False
     thunderagent_controller: bool = False

@@ -25,7 +25,7 @@ class SessionRun:
     session: Session
     key: str  # "program/session": unique across the replay, the engine's session id
     turn_index: int = 0
-    context: list[int] = field(default_factory=list)  # prompt + output of the last finished turn
+    context: list[int] = field(default_factory=list)  # prompt + output of the last finished turn (or the prompt)
     prompt: list[int] = field(default_factory=list)  # the prompt of the turn in flight
     node: str = ""
     request: Request | None = None

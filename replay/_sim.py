@@ -398,7 +398,7 @@ class Simulation:
             self.router.finished(node.address, s.key)
         self.core.turn_done(rec.computed_tokens, (req.ttft_s or 0.0) - req.queue_wait_s, rec.queue_wait_s,
                             rec.recomputed_tokens)
-        s.finish_turn(req.output[: turn.output_tokens])
+        s.finish_turn(req.output[: turn.output_tokens] if self.config.resend_outputs else [])
         pid = s.run.program.program_id
         if turn.tool is not None and self.config.true_next_use:  # when the trace says it returns
             self._returns[s.key] = self.now + turn.tool_duration_s

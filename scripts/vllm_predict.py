@@ -28,6 +28,10 @@ inference (``hintflow-infer``) is mirrored by the orchestrator's ``hintflow`` po
 which prices pins alike but measures T differently; and the gap before a pushed hint reaches the node,
 which the node's turn-end grace (``HINTFLOW_PIN_GRACE_S``) closes.
 
+``--profile P.json`` replays with a given profile instead of step 1's fit: one that ``scripts/vllm_steps.py``
+fitted to the sitting's traced steps (``HINTFLOW_STEP_TRACE``) prices each step as the node ran it, where
+step 1 only matches the stock run's latencies.
+
 ``--turns MODE`` replays one mode's mirror (fitted afresh, or with the profile an earlier ``--json OUT`` of
 the same report kept, ``--fit OUT``: a minute instead of several) and joins it turn by turn with the real
 run's first round of that mode (``mirror_turns.py``): the history each found by send time and by pause,
@@ -68,8 +72,10 @@ def _vllm_node(warm_first: bool = False) -> str:
     survived behind cold prompts (``scheduler.warm_first``). The embedded node's defaults (hintflow's
     replay rows; the baseline rows are registered with both, ``replay/_policies.py``) do both the other
     way: mirrored with them, stock vLLM with a host tier of half the pool replayed at 47-54% hits against
-    11-16% measured. Set on every mirror, so a mirror does not depend on the registered rows' defaults."""
-    return f"scheduler.warm_first={str(warm_first).lower()},evict_queued=true"
+    11-16% measured. Set on every mirror, so a mirror does not depend on the registered rows' defaults.
+    And the benchmark's client sends each turn's trace tokens only, not the turn's output
+    (``resend_outputs``)."""
+    return f"scheduler.warm_first={str(warm_first).lower()},evict_queued=true,resend_outputs=false"
 
 
 MIRRORS = {
@@ -281,7 +287,9 @@ def _turns(real: dict[str, Any], mode: str, variants: dict[str, Any], a: argpars
     """``--turns MODE``: its mirror, replayed once, beside the real run turn by turn."""
     host, ref = mode.endswith("+host"), _reference(mode)
     with tempfile.TemporaryDirectory() as tmp:
-        if a.fit is not None:
+        if a.profile is not None:
+            path = str(a.profile)
+        elif a.fit is not None:
             profiles = json.loads(a.fit.read_text()).get("profiles", {})
             if ref not in profiles:
                 raise SystemExit(f"--fit {a.fit}: no profile fitted to {ref} (it has: {', '.join(profiles) or 'none'})")
@@ -311,6 +319,9 @@ def main() -> None:
     ap.add_argument("--host-guard", choices=("on", "off"), default="on",
                     help="whether the +host modes' nodes ran the admission guard: off for reports before the "
                          "commit after a902ceb [on]")
+    ap.add_argument("--profile", type=Path,
+                    help="replay with this cost profile instead of fitting one to the stock run (a profile "
+                         "scripts/vllm_steps.py --write-profile fitted to the sitting's traced steps)")
     ap.add_argument("--turns", metavar="MODE", help="compare one mode turn by turn with its mirror")
     ap.add_argument("--fit", type=Path, metavar="OUT",
                     help="with --turns: the fitted profiles of an earlier run on this report (its --json OUT)")
@@ -342,13 +353,18 @@ def main() -> None:
             group = [m for m in modes if m.endswith("+host") == host]
             if not group:
                 continue
-            path, fit, rms = calibrate(real, Path(tmp), host=host, host_save=a.host_save, host_guard=host_guard)
-            profile = json.loads(Path(path).read_text())
-            fits[_reference(group[0])] = profile
-            print(f"fitted to {_reference(group[0])}: {profile['source'].partition('(')[2].rstrip(')')}; prefill "
-                  f"b {profile['prefill_b_s_per_token']:.3g} s/token, c {profile['prefill_c_s_per_token2']:.3g} "
-                  f"s/token², decode step {profile['decode_base_s']:.3g} s (replayed {fit['jct_mean_s']:.1f} / {fit['jct_p90_s']:.1f} s "
-                  f"JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
+            if a.profile is not None:  # (fitted to the sitting's steps, or any other)
+                path = str(a.profile)
+                fits[_reference(group[0])] = json.loads(a.profile.read_text())
+                print(f"{_reference(group[0])}: replayed with {a.profile} as it is")
+            else:
+                path, fit, rms = calibrate(real, Path(tmp), host=host, host_save=a.host_save, host_guard=host_guard)
+                profile = json.loads(Path(path).read_text())
+                fits[_reference(group[0])] = profile
+                print(f"fitted to {_reference(group[0])}: {profile['source'].partition('(')[2].rstrip(')')}; prefill "
+                      f"b {profile['prefill_b_s_per_token']:.3g} s/token, c {profile['prefill_c_s_per_token2']:.3g} "
+                      f"s/token², decode step {profile['decode_base_s']:.3g} s (replayed {fit['jct_mean_s']:.1f} / "
+                      f"{fit['jct_p90_s']:.1f} s JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
             specs = [_spec(real, m, variants, a.host_save, host_guard, a.device_pin_budget) for m in group]
             got = _replay(_setup(real, path, host=host), specs)
             names = [s.partition("=")[0] if "=" in s else s for s in specs]

@@ -421,3 +421,28 @@ def test_baseline_rows_admit_in_vllms_queue_order_and_hintflows_warm_first() -> 
     setup = _setup(kv_capacity_tokens=3200, num_nodes=1)
     a = report_json(*run_replay(setup, [get_replay_config("continuum"), warm], programs=programs))["policies"]
     assert a["continuum"]["jct_mean_s"] != a["cw"]["jct_mean_s"]
+
+
+def test_without_resent_outputs_a_prompt_extends_the_last_prompt() -> None:
+    """``resend_outputs=false`` (the vLLM benchmark's client, which the mirrors of its nodes replay): a turn's
+    prompt is the last prompt and its own new tokens; on (every registered row) the last output is in it too."""
+    from replay import parse_variant
+
+    progs = _tiny(4)
+    configs = [get_replay_config("vllm-default"), parse_variant("nores=vllm-default:resend_outputs=false")]
+    _, results = run_replay(_setup(num_nodes=1), configs, programs=progs)
+    new_tokens = {(p.program_id, s.session_id, i): t.input_tokens
+                  for p in progs for s in p.sessions for i, t in enumerate(s.turns)}  # fmt: skip
+    checked = 0
+    for res, resent in zip(results, (True, False), strict=True):
+        by = {(t.program_id, t.session_key.partition("/")[2], t.turn_index): t for t in res.turns}
+        for (pid, sid, i), t in by.items():
+            prev = by.get((pid, sid, i - 1))
+            if prev is None:
+                continue
+            grown = t.prompt_tokens - prev.prompt_tokens
+            assert grown == new_tokens[(pid, sid, i)] + (prev.output_tokens if resent else 0)
+            checked += 1
+    assert checked > 10
+    on, off = (sum(t.prompt_tokens for t in r.turns) for r in results)
+    assert off < on

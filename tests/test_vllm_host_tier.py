@@ -14,6 +14,8 @@ scheduler and under hintflow's, with a 24-block pool:
   (so the comparison above can fail);
 - the blocks a load read go first in line for eviction once the step's copies are shipped (the device holds
   them again);
+- the step trace (``HINTFLOW_STEP_TRACE``, ``_step_trace``) records each step as vLLM scheduled it: A's
+  first prompt as one 1,500-token chunk, A again as the rest after what came back from the host;
 - hintflow's scheduler does not save a turn flagged ``is_last_turn`` when the device evicts it, puts the released program's host
   blocks first in line for eviction, and counts host hits as ``host_hit`` tokens; every device block is
   free again at the end (none lost to a delayed free).
@@ -21,6 +23,7 @@ scheduler and under hintflow's, with a 24-block pool:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -121,6 +124,10 @@ def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> 
     if scheduler_cls is not None:  # the host tier's own pin budget (HINTFLOW_PIN_BUDGET unset)
         out["pin_budget_blocks"] = sched.book.pin_budget_blocks
     out["in_flight_saves"] = len(tier._in_flight_req_ids)
+    from engine_adapter.vllm_backend._step_trace import step_trace
+
+    trace = step_trace("")  # (opened by the scheduler or the connector at the first step: HINTFLOW_STEP_TRACE)
+    out["trace"] = [json.loads(x) for x in trace.path.read_text().splitlines()] if trace is not None else None
     return out
 
 
@@ -137,6 +144,7 @@ def _report(model: str, state: str, scheduler: str) -> dict[str, Any]:
         os.makedirs(os.path.join(state, sub), exist_ok=True)
         os.environ[var] = os.path.join(state, sub)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["HINTFLOW_STEP_TRACE"] = os.path.join(state, "steps")  # (both schedulers write one)
     if scheduler == "no-prefix-caching":  # must fail at start-up, naming the reason
         return _run(model, None, prefix_caching=False)
     return _run(model, SCHEDULER_CLS if scheduler == "hintflow" else None)
@@ -254,3 +262,16 @@ def test_hintflow_skips_saving_a_last_turn_and_counts_host_hits(report: dict[str
 
 if __name__ == "__main__":
     print(json.dumps(_report(sys.argv[1], sys.argv[2], sys.argv[3])))
+
+
+@pytest.mark.parametrize("scheduler", ["stock", "hintflow"])
+def test_the_step_trace_records_each_step_as_vllm_scheduled_it(report: dict[str, Any], scheduler: str) -> None:
+    header, *steps = report[scheduler]["trace"]
+    assert header["scheduler"] == ("hintflow" if scheduler == "hintflow" else "vllm")  # one file, either way
+    chunks = [c for s in steps for c in s[2]]
+    assert [1500, 0] in chunks  # A's first time: nothing cached
+    loaded = report[scheduler]["again"]["cached"]
+    assert loaded > 0 and [1500 - loaded, loaded] in chunks  # A again: only what did not come back
+    assert all(s[1] == sum(n for n, _ in s[2]) + s[3] for s in steps)  # every scheduled token is in a line
+    assert sum(s[3] for s in steps) >= 7 * 12  # 13 prompts of 8 tokens, most with 7 decodes after the prefill
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(steps))

@@ -74,6 +74,7 @@ from ._host_index import HOST_RELOAD_S_PER_TOKEN
 from ._infer import HintInference, env_float, env_on, infer_enabled
 from ._sessions import SessionBook, VSession
 from ._step_times import StepTimes
+from ._step_trace import step_trace
 from ._warm import num_cached_tokens
 
 if TYPE_CHECKING:
@@ -233,6 +234,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self.step_times = StepTimes()  # what hintflow's rules add to each step (the 10 s log line)
+        self.step_trace = step_trace("hintflow", self.node_id, bool(engine_async))  # HINTFLOW_STEP_TRACE
         self._next_log_s = 0.0
         # Program FCFS gives an older program's turn at most this head start over a newer arrival, so
         # new programs' first turns cannot starve under overload (inf: strict program FCFS).
@@ -441,6 +443,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             finally:
                 self._admit = None
             vllm_s = time.perf_counter() - vllm_start_s
+            if self.step_trace is not None:
+                self.step_trace.record(out)
             for new in out.scheduled_new_reqs:
                 s = self._req_session.get(new.req_id)
                 req = self.requests.get(new.req_id)

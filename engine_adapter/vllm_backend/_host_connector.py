@@ -70,6 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ._compat import HOST_TIER_COMPONENT, HOST_TIER_REQUIRED, check_vllm_internals
 from ._context_moves import block_dim
 from ._host_index import CONNECTOR_MODULE, HOST_SAVE_MODES, HostIndex, host_tier_config
+from ._step_trace import step_trace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -295,6 +296,9 @@ class HintflowHostTier(KVConnectorBase_V1):
             del self._no_save[next(iter(self._no_save))]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        trace = step_trace("vllm")  # (hintflow's scheduler opened it first where it runs: one file)
+        if trace is not None:
+            trace.record(scheduler_output)
         if self.save_on_evict:
             self._plan_evicted_saves()
             if self._saves:

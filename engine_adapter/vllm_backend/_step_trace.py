@@ -1,0 +1,104 @@
+"""One line per scheduled step of a vLLM node, to price a loaded node's steps (``HINTFLOW_STEP_TRACE=DIR``).
+
+Why: the replay's cost model for this node (``cpu-vllm-tiny``) was measured on an idle server, one request
+at a time (``scripts/vllm_cost_probe.py``), and ``scripts/vllm_predict.py`` scales it until the replayed
+stock run's JCT matches the measured one. A JCT that matches does not make each step's price right: on the
+agent benchmark's trace with a short host tier that fit under-priced the hintflow node's steps by 8% (its
+steps of decodes alone by 17%), while a profile fitted to the stock node's own traced steps priced the
+hintflow node's within 3% (docs/benchmarks.md, "Does the replay predict it?"). ``scripts/vllm_steps.py``
+reads these files: each step's price under a profile, by kind of step and by 10 s window, and a profile
+fitted to them.
+
+What a line holds: ``[t_s, tokens, [[n, p], ...], num_decodes, decode_ctx_tokens]``, with ``t_s`` the
+monotonic clock when ``schedule()`` returned, ``tokens`` the step's scheduled tokens, one ``[n, p]`` per
+prefill chunk (``n`` new tokens after ``p`` already computed or cached), and the decodes (one token each
+after a computed context) with their total context. A step's duration is the gap to the next line: vLLM
+schedules the next step when this one's output is back (with async scheduling on the gaps overlap, and
+the trace says so in its header). The first line is a header (``{"pid", "node_id", "scheduler",
+"async_scheduling", "started_unix_s"}``).
+
+Both hooks record the same ``SchedulerOutput`` (hintflow's scheduler after ``schedule()``, the host
+connector in ``build_connector_meta``, so stock vLLM with the tier is traced too); one process writes one
+file and records each output once. A file that cannot be opened is logged and tracing stays off: the
+node keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["StepTrace", "step_line", "step_trace"]
+
+log = logging.getLogger(__name__)
+
+
+def step_line(output: Any, now_s: float) -> list[Any]:
+    """The trace line of one ``SchedulerOutput`` (read before vLLM advances its requests: the data objects
+    hold each request's computed tokens as of this step's start)."""
+    scheduled: dict[str, int] = output.num_scheduled_tokens
+    items = [(r.req_id, r.num_computed_tokens) for r in output.scheduled_new_reqs]
+    cached = output.scheduled_cached_reqs
+    items += list(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+    prefills: list[list[int]] = []
+    num_decodes = decode_ctx = 0
+    for req_id, done in items:
+        n = scheduled.get(req_id, 0)
+        if n == 1 and done > 0:
+            num_decodes += 1
+            decode_ctx += done + 1
+        elif n > 0:
+            prefills.append([n, done])
+    return [round(now_s, 6), int(output.total_num_scheduled_tokens), prefills, num_decodes, decode_ctx]
+
+
+class StepTrace:
+    """Appends one line per distinct scheduler output to ``path`` (line-buffered: a killed node loses none)."""
+
+    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+        self.path = path
+        self._file: IO[str] = path.open("w", buffering=1)
+        self._file.write(json.dumps(header) + "\n")
+        self._last_id: int | None = None
+        self.num_steps = 0
+
+    def record(self, output: Any) -> None:
+        if id(output) == self._last_id:
+            return  # the connector and the scheduler both saw this step
+        self._last_id = id(output)
+        self._file.write(json.dumps(step_line(output, time.monotonic())) + "\n")
+        self.num_steps += 1
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_TRACE: StepTrace | None = None
+_TRIED = False
+
+
+def step_trace(scheduler: str, node_id: str = "", async_scheduling: bool = False) -> StepTrace | None:
+    """This process's trace when ``HINTFLOW_STEP_TRACE`` names a directory, else None; opened on first use."""
+    global _TRACE, _TRIED
+    if _TRIED:
+        return _TRACE
+    _TRIED = True
+    where = os.environ.get("HINTFLOW_STEP_TRACE", "").strip()
+    if not where:
+        return None
+    started = time.time()
+    path = Path(where) / f"steps-{started:.3f}-{os.getpid()}.jsonl"
+    header = {"pid": os.getpid(), "node_id": node_id, "scheduler": scheduler,
+              "async_scheduling": async_scheduling, "started_unix_s": started}  # fmt: skip
+    try:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        _TRACE = StepTrace(path, header)
+    except OSError as e:
+        log.warning("hintflow: HINTFLOW_STEP_TRACE=%s: cannot write the step trace (%s); tracing off", where, e)
+        return None
+    log.info("hintflow: tracing every step to %s", path)
+    return _TRACE

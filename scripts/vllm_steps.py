@@ -1,0 +1,168 @@
+"""A vLLM node's traced steps priced by a cost profile, and a profile fitted to them.
+
+    HINTFLOW_STEP_TRACE=DIR hintflow replay --backend vllm ...            # each server writes DIR/steps-*.jsonl
+    python scripts/vllm_steps.py DIR [--names A,B,..] [--profile P.json] [--fit A,B --write-profile OUT.json]
+
+Each trace file (``engine_adapter/vllm_backend/_step_trace.py``) is one server's life, one line per step;
+files are taken in the order their servers started, which is the order of the report's ``sequence`` (name
+them with ``--names``). A step's duration is the gap to the next line; gaps over ``--max-gap-s`` are the
+server waiting for work, not a step, and are left out. For each file: the measured step time against the
+profile's price (``CostModel.step_time``'s formula: each prefill chunk ``a + b n + c ((p+n)^2 - p^2)``, the
+decodes together ``base + per_seq k + per_ctx ctx``), by kind of step and by 10 s window, with the
+requests per step. ``--fit`` fits those six coefficients by least squares on the named files' steps and
+prints every file's price under the fit; ``--write-profile`` writes ``cpu-vllm-tiny`` with them, which
+``scripts/vllm_predict.py --profile`` replays with instead of scaling the idle profile to the stock run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine_adapter import CostModel
+
+__all__ = ["COEFFICIENTS", "Step", "fit", "load_trace", "price", "profile_with", "report"]
+
+COEFFICIENTS = ("prefill_a_s", "prefill_b_s_per_token", "prefill_c_s_per_token2",
+                "decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s")  # fmt: skip
+BASE_PROFILE = Path(__file__).resolve().parents[1] / "engine_adapter/profiles/cpu-vllm-tiny.json"
+
+Step = tuple[float, float, list[Any]]
+"""(seconds since the server's first step, measured duration, the trace line)."""
+
+
+def load_trace(path: Path, max_gap_s: float = 3.0) -> tuple[dict[str, Any], list[Step]]:
+    """A trace file's header and its steps that scheduled tokens (the last one has no duration: left out)."""
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    if not lines or not isinstance(lines[0], dict):
+        raise ValueError(f"{path}: not a step trace (its first line is not a header)")
+    header, rows = lines[0], lines[1:]
+    if not rows:
+        return header, []
+    t0 = rows[0][0]
+    steps = [(a[0] - t0, b[0] - a[0], a) for a, b in itertools.pairwise(rows)
+             if a[1] > 0 and b[0] - a[0] <= max_gap_s]  # fmt: skip
+    return header, steps
+
+
+def _features(line: list[Any]) -> list[float]:
+    _, _, prefills, num_decodes, decode_ctx = line[:5]
+    return [float(len(prefills)), float(sum(n for n, _ in prefills)),
+            float(sum((p + n) ** 2 - p**2 for n, p in prefills)), float(num_decodes > 0), float(num_decodes),
+            float(decode_ctx)]  # fmt: skip
+
+
+def price(cm: CostModel, line: list[Any]) -> float:
+    """The profile's price of a traced step (``CostModel.step_time``'s formula; no copies in the trace)."""
+    return sum(cm.prefill_time(n, p) for n, p in line[2]) + cm.decode_time(line[3], line[4])
+
+
+def fit(steps: Sequence[Step]) -> dict[str, float]:
+    """The six coefficients (``COEFFICIENTS``) that price ``steps`` best (least squares; none below 0)."""
+    if len(steps) < len(COEFFICIENTS):
+        raise ValueError(f"fitting {len(COEFFICIENTS)} coefficients needs at least as many steps, got {len(steps)}")
+    x = np.array([_features(line) for _, _, line in steps])
+    y = np.array([dt for _, dt, _ in steps])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return {k: max(0.0, float(v)) for k, v in zip(COEFFICIENTS, coef, strict=True)}
+
+
+def profile_with(coefficients: dict[str, float], source: str) -> dict[str, Any]:
+    """``cpu-vllm-tiny`` with the fitted coefficients."""
+    base = json.loads(BASE_PROFILE.read_text())
+    base.update(coefficients)
+    base.update(name="fitted-steps", fit=None, source=source)
+    return base
+
+
+def _kind(line: list[Any]) -> str:
+    n = len(line[2])
+    if not n:
+        return "decodes only"
+    return f"{min(n, 3)}{'+' if n >= 3 else ''} prefill chunk{'s' if n > 1 else ''}" + (" + decodes" if line[3] else "")
+
+
+def report(name: str, steps: Sequence[Step], cm: CostModel) -> list[str]:
+    """Measured against priced, in all, by kind of step and by 10 s window."""
+    if not steps:
+        return [f"{name}: no step"]
+    real = sum(dt for _, dt, _ in steps)
+    model = sum(price(cm, line) for _, _, line in steps)
+    out = [f"{name}: {len(steps)} steps, {real:.1f} s measured, {model:.1f} s priced ({real / model:.2f}x)",
+           "| step | n | measured | priced | measured / priced | ms per step |", "|---|---|---|---|---|---|"]  # fmt: skip
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for _, dt, line in steps:
+        k = kinds[_kind(line)]
+        k[0] += 1
+        k[1] += dt
+        k[2] += price(cm, line)
+    for kind in sorted(kinds):
+        n, r, m = kinds[kind]
+        out.append(f"| {kind} | {int(n)} | {r:.1f} s | {m:.1f} s | {r / m:.2f} | {1e3 * r / n:.1f} |")
+    out += ["", "| window (s) | steps | measured | priced | measured / priced | tokens per step | requests per step |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    wins: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0])
+    for t, dt, line in steps:
+        w = wins[int(t // 10) * 10]
+        w[0] += 1
+        w[1] += dt
+        w[2] += price(cm, line)
+        w[3] += line[1]
+        w[4] += len(line[2]) + line[3]
+    for start in sorted(wins):
+        n, r, m, tok, reqs = wins[start]
+        out.append(f"| {start}–{start + 10} | {int(n)} | {r:.1f} s | {m:.1f} s | {r / m if m else math.nan:.2f} | "
+                   f"{tok / n:.0f} | {reqs / n:.1f} |")  # fmt: skip
+    return out
+
+
+def _cost_model(profile: dict[str, Any]) -> CostModel:
+    return CostModel(**{k: v for k, v in profile.items() if k in CostModel.model_fields})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace_dir", type=Path)
+    ap.add_argument("--names", help="a name per trace file, in start order (default: the files' scheduler)")
+    ap.add_argument("--profile", type=Path, help="the profile to price with [cpu-vllm-tiny]")
+    ap.add_argument("--fit", help="fit the six coefficients on these names' steps (comma-separated)")
+    ap.add_argument("--write-profile", type=Path, help="with --fit: write the fitted profile here")
+    ap.add_argument("--max-gap-s", type=float, default=3.0, help="a longer gap is idle, not a step [3]")
+    a = ap.parse_args()
+    if a.write_profile and not a.fit:
+        raise SystemExit("--write-profile writes a fitted profile: name the traces to fit with --fit")
+    files = sorted(a.trace_dir.glob("steps-*.jsonl"), key=lambda f: float(f.name.split("-")[1]))
+    if not files:
+        raise SystemExit(f"{a.trace_dir}: no steps-*.jsonl (run the servers with HINTFLOW_STEP_TRACE={a.trace_dir})")
+    traces = [load_trace(f, a.max_gap_s) for f in files]
+    names = a.names.split(",") if a.names else [f"{h.get('scheduler', '?')}-{i}" for i, (h, _) in enumerate(traces)]
+    if len(names) != len(files):
+        raise SystemExit(f"--names gives {len(names)} names for {len(files)} trace files in {a.trace_dir}")
+    runs = {n: steps for n, (_, steps) in zip(names, traces, strict=True)}
+    if a.fit:
+        chosen = a.fit.split(",")
+        unknown = sorted(set(chosen) - set(runs))
+        if unknown:
+            raise SystemExit(f"--fit {a.fit}: no trace named {', '.join(unknown)} (names: {', '.join(runs)})")
+        coef = fit([s for n in chosen for s in runs[n]])
+        profile = profile_with(coef, f"scripts/vllm_steps.py: fitted to the traced steps of {a.fit} in {a.trace_dir}")
+        print("fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in coef.items()))
+        if a.write_profile:
+            a.write_profile.write_text(json.dumps(profile, indent=1))
+    else:
+        profile = json.loads((a.profile or BASE_PROFILE).read_text())
+    cm = _cost_model(profile)
+    for name, steps in runs.items():
+        print("\n".join(report(name, steps, cm)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
