@@ -60,7 +60,10 @@ def test_the_trace_writes_a_header_and_each_step_once(tmp_path: Path) -> None:
     lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert lines[0] == {"scheduler": "hintflow"} and len(lines) == 3 and trace.num_steps == 2
     assert lines[1][2] == [[128, 0]] and lines[2][3:] == [1, 129]
-    trace.close()
+    trace.record(SimpleNamespace())  # a step it cannot read stops the trace, it does not raise
+    assert trace._file.closed and trace.num_steps == 2
+    trace.record(first)  # and nothing more is written
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 3
 
 
 def test_an_unwritable_trace_directory_leaves_tracing_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

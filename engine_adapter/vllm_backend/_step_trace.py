@@ -3,14 +3,14 @@
 Why: the replay's cost model for this node (``cpu-vllm-tiny``) was measured on an idle server, one request
 at a time (``scripts/vllm_cost_probe.py``), and ``scripts/vllm_predict.py`` scales it until the replayed
 stock run's JCT matches the measured one. A JCT that matches does not make each step's price right: on the
-agent benchmark's trace with a short host tier that fit under-priced the hintflow node's steps by 8% (its
-steps of decodes alone by 17%), while a profile fitted to the stock node's own traced steps priced the
-hintflow node's within 3% (docs/benchmarks.md, "Does the replay predict it?"). ``scripts/vllm_steps.py``
+agent benchmark's trace with a short host tier that fit under-priced the stock node's steps by 10-13% and
+the hintflow node's by 18% (its steps of decodes alone by 38%), while a profile fitted to the stock node's
+own traced steps priced both within 2% (docs/benchmarks.md, "The step's price, measured"). ``scripts/vllm_steps.py``
 reads these files: each step's price under a profile, by kind of step and by 10 s window, and a profile
 fitted to them.
 
 What a line holds: ``[t_s, tokens, [[n, p], ...], num_decodes, decode_ctx_tokens]``, with ``t_s`` the
-monotonic clock when ``schedule()`` returned, ``tokens`` the step's scheduled tokens, one ``[n, p]`` per
+monotonic clock when the step was scheduled, ``tokens`` the step's scheduled tokens, one ``[n, p]`` per
 prefill chunk (``n`` new tokens after ``p`` already computed or cached), and the decodes (one token each
 after a computed context) with their total context. A step's duration is the gap to the next line: vLLM
 schedules the next step when this one's output is back (with async scheduling on the gaps overlap, and
@@ -19,12 +19,13 @@ the trace says so in its header). The first line is a header (``{"pid", "node_id
 
 Both hooks record the same ``SchedulerOutput`` (hintflow's scheduler after ``schedule()``, the host
 connector in ``build_connector_meta``, so stock vLLM with the tier is traced too); one process writes one
-file and records each output once. A file that cannot be opened is logged and tracing stays off: the
-node keeps serving.
+file and records each output once. A file that cannot be opened, or written (a full disk), is logged
+and tracing stops: the node keeps serving (a raise here would stop vLLM's engine loop).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -67,14 +68,20 @@ class StepTrace:
         self.num_steps = 0
 
     def record(self, output: Any) -> None:
-        if id(output) == self._last_id:
-            return  # the connector and the scheduler both saw this step
+        if self._file.closed or id(output) == self._last_id:
+            return  # stopped, or the connector and the scheduler both saw this step
         self._last_id = id(output)
-        self._file.write(json.dumps(step_line(output, time.monotonic())) + "\n")
+        try:
+            self._file.write(json.dumps(step_line(output, time.monotonic())) + "\n")
+        except (OSError, AttributeError, TypeError, ValueError) as e:  # never into vLLM's engine loop
+            log.warning("hintflow: the step trace %s stopped: %s", self.path, e)
+            self.close()
+            return
         self.num_steps += 1
 
     def close(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # (what it held is lost; the node goes on)
+            self._file.close()
 
 
 _TRACE: StepTrace | None = None
