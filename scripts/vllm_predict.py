@@ -3,7 +3,6 @@
     python scripts/vllm_predict.py REAL.json [--json OUT]
     python scripts/vllm_predict.py REAL.json --turns MODE [--fit OUT]   # one mode, turn by turn
 
-
 REAL.json is a ``hintflow replay --backend vllm --json`` report with a ``vanilla`` row (same trace, same
 pool, one sitting); ``MODE+host`` rows are predicted on a node with the report's host tier and compared
 with ``vanilla+host`` (the stock scheduler with the same tier), which the report must have too; their

@@ -124,10 +124,6 @@ def report(name: str, steps: Sequence[Step], cm: CostModel) -> list[str]:
     return out
 
 
-def _cost_model(profile: dict[str, Any]) -> CostModel:
-    return CostModel(**{k: v for k, v in profile.items() if k in CostModel.model_fields})
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace_dir", type=Path)
@@ -159,7 +155,7 @@ def main() -> None:
             a.write_profile.write_text(json.dumps(profile, indent=1))
     else:
         profile = json.loads((a.profile or BASE_PROFILE).read_text())
-    cm = _cost_model(profile)
+    cm = CostModel.from_json(json.dumps(profile), origin="the profile")  # (validated, as load_cost_model does)
     for name, steps in runs.items():
         print("\n".join(report(name, steps, cm)) + "\n")
 
