@@ -14,8 +14,9 @@ scheduler and under hintflow's, with a 24-block pool:
   (so the comparison above can fail);
 - the blocks a load read go first in line for eviction once the step's copies are shipped (the device holds
   them again);
-- the step trace (``HINTFLOW_STEP_TRACE``, ``_step_trace``) records each step as vLLM scheduled it: A's
-  first prompt as one 1,500-token chunk, A again as the rest after what came back from the host;
+- the step trace (``HINTFLOW_STEP_TRACE``, ``_step_trace``) records each step as vLLM scheduled it, once:
+  A's first prompt as one 1,500-token chunk, A again as the rest after what came back from the host, and
+  every decode (stock vLLM's scheduler runs as the traced class the harness gives a traced stock node);
 - hintflow's scheduler does not save a turn flagged ``is_last_turn`` when the device evicts it, puts the released program's host
   blocks first in line for eviction, and counts host hits as ``host_hit`` tokens; every device block is
   free again at the end (none lost to a delayed free).
@@ -33,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from engine_adapter.vllm_backend import REPO, SCHEDULER_CLS
+from engine_adapter.vllm_backend import REPO, SCHEDULER_CLS, TRACED_STOCK_SCHEDULER_CLS
 
 NUM_BLOCKS = 24
 HOST_TOKENS = 20_000
@@ -76,7 +77,7 @@ def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> 
     out: dict[str, Any] = {"first": run(a, program_id="pa")}
     for seed in (2, 3, 4):
         run(_prompt(seed))
-    if scheduler_cls is not None:  # what the router reads: the node's host tier, and pa's context on it
+    if scheduler_cls == SCHEDULER_CLS:  # what the router reads: the node's host tier, and pa's context on it
         from engine_adapter.vllm_backend._cache_state import cache_state
 
         st = cache_state(sched, include_sessions=True)
@@ -121,7 +122,7 @@ def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> 
         core.step()
     pool = sched.kv_cache_manager.block_pool
     out["free_blocks"], out["usable_blocks"] = pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
-    if scheduler_cls is not None:  # the host tier's own pin budget (HINTFLOW_PIN_BUDGET unset)
+    if scheduler_cls == SCHEDULER_CLS:  # the host tier's own pin budget (HINTFLOW_PIN_BUDGET unset)
         out["pin_budget_blocks"] = sched.book.pin_budget_blocks
     out["in_flight_saves"] = len(tier._in_flight_req_ids)
     from engine_adapter.vllm_backend._step_trace import step_trace
@@ -147,7 +148,9 @@ def _report(model: str, state: str, scheduler: str) -> dict[str, Any]:
     os.environ["HINTFLOW_STEP_TRACE"] = os.path.join(state, "steps")  # (both schedulers write one)
     if scheduler == "no-prefix-caching":  # must fail at start-up, naming the reason
         return _run(model, None, prefix_caching=False)
-    return _run(model, SCHEDULER_CLS if scheduler == "hintflow" else None)
+    # stock: vLLM's scheduler as the harness runs it while tracing (TracedAutoScheduler, which writes the
+    # trace as the connector does: each step once)
+    return _run(model, SCHEDULER_CLS if scheduler == "hintflow" else TRACED_STOCK_SCHEDULER_CLS)
 
 
 # ---- the tests --------------------------------------------------------------------------------------------
@@ -273,5 +276,5 @@ def test_the_step_trace_records_each_step_as_vllm_scheduled_it(report: dict[str,
     loaded = report[scheduler]["again"]["cached"]
     assert loaded > 0 and [1500 - loaded, loaded] in chunks  # A again: only what did not come back
     assert all(s[1] == sum(n for n, _ in s[2]) + s[3] for s in steps)  # every scheduled token is in a line
-    assert sum(s[3] for s in steps) >= 7 * 12  # 13 prompts of 8 tokens, most with 7 decodes after the prefill
+    assert sum(s[3] for s in steps) == 7 * 13  # 13 prompts of 8 tokens, each 7 decodes after its prefill
     assert all(a[0] <= b[0] for a, b in itertools.pairwise(steps))

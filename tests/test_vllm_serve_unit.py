@@ -13,6 +13,7 @@ from engine_adapter.vllm_backend import (
     ASYNC_SCHEDULER_CLS,
     AUTO_SCHEDULER_CLS,
     SCHEDULER_CLS,
+    TRACED_STOCK_SCHEDULER_CLS,
     _serve,
     build_vllm_command,
 )
@@ -96,12 +97,26 @@ def test_the_scheduler_class_follows_async_scheduling(tmp_path: Any, flags: list
     assert argv[len(argv) - len(flags) :] == flags  # the user's flags reach vLLM unchanged
 
 
-def test_a_given_scheduler_class_and_stock_vllm_are_left_alone(tmp_path: Any) -> None:
+def test_a_given_scheduler_class_and_stock_vllm_are_left_alone(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HINTFLOW_STEP_TRACE", raising=False)
     kw: dict[str, Any] = {"python": "python3", "state_dir": tmp_path}
     argv, _ = build_vllm_command("m", extra_args=["--async-scheduling", "--scheduler-cls", "my.Sched"], **kw)
     assert _scheduler_cls(argv) == "my.Sched"
     argv, _ = build_vllm_command("m", hintflow=False, extra_args=["--async-scheduling"], **kw)
     assert "--scheduler-cls" not in argv
+
+
+def test_a_traced_stock_node_runs_vllms_scheduling_through_the_traced_class(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kw: dict[str, Any] = {"python": "python3", "state_dir": tmp_path, "hintflow": False}
+    monkeypatch.setenv("HINTFLOW_STEP_TRACE", str(tmp_path / "steps"))
+    argv, env = build_vllm_command("m", **kw)
+    assert _scheduler_cls(argv) == TRACED_STOCK_SCHEDULER_CLS and env["HINTFLOW_STEP_TRACE"] == str(tmp_path / "steps")
+    argv, _ = build_vllm_command("m", extra_args=["--scheduler-cls", "my.Sched"], **kw)
+    assert _scheduler_cls(argv) == "my.Sched"  # a class the user gives wins
+    argv, _ = build_vllm_command("m", **{**kw, "hintflow": True})
+    assert _scheduler_cls(argv) == AUTO_SCHEDULER_CLS  # hintflow's scheduler traces itself
 
 
 def test_cli_async_scheduling_launches_the_async_class(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

@@ -7,7 +7,9 @@ scheduler classes:
   step's output comes back before the next step is scheduled; vLLM's CPU build always runs so);
 - ``HintflowAsyncScheduler`` over ``vllm.v1.core.sched.async_scheduler.AsyncScheduler`` (async scheduling,
   vLLM 0.32's default on CUDA: step N+1 is scheduled while step N runs).
-- ``HintflowAutoScheduler`` builds whichever of the two matches the engine's final config.
+- ``HintflowAutoScheduler`` builds whichever of the two matches the engine's final config;
+- ``TracedAutoScheduler`` (and its two classes): stock vLLM's scheduling, unchanged, with the step trace
+  (``HINTFLOW_STEP_TRACE``), for a stock node that has no host connector to write it.
 
 Why two classes and a chooser: vLLM 0.32 picks ``AsyncScheduler`` itself only without ``--scheduler-cls``
 (``SchedulerConfig.get_scheduler_cls``); a given class is used as it is, whatever ``async_scheduling``
@@ -27,6 +29,7 @@ from typing import Any, ClassVar
 
 from ._compat import check_vllm_names
 from ._hint_scheduler import AGING_S, PIN_BUDGET, PRIORITY_SCALE, HintSchedulerMixin
+from ._step_trace import step_trace
 
 # vLLM's scheduler classes are imported only once the check has passed: a vLLM that moved or renamed one
 # fails here with the check's error naming what it lacks, not with a bare ImportError (the construction-
@@ -43,6 +46,9 @@ __all__ = [
     "HintflowAsyncScheduler",
     "HintflowAutoScheduler",
     "HintflowScheduler",
+    "TracedAsyncScheduler",
+    "TracedAutoScheduler",
+    "TracedScheduler",
 ]
 
 
@@ -70,6 +76,39 @@ class HintflowAutoScheduler:
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]  # vLLM passes keywords
-        chosen = HintflowAsyncScheduler if config.scheduler_config.async_scheduling else HintflowScheduler
-        return chosen(*args, **kwargs)
+        return _matching(HintflowScheduler, HintflowAsyncScheduler, args, kwargs)
+
+
+def _matching(sync_cls: type, async_cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An instance of whichever class matches the engine's final ``async_scheduling``."""
+    config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]  # vLLM passes keywords
+    return (async_cls if config.scheduler_config.async_scheduling else sync_cls)(*args, **kwargs)
+
+
+class _TraceSteps:
+    """Stock vLLM's scheduling, unchanged, with each step written to the step trace (``_step_trace``)."""
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        trace = step_trace("vllm")
+        if trace is not None:  # (a host connector records the same output too: it is written once)
+            trace.record(out)
+        return out
+
+
+class TracedScheduler(_TraceSteps, Scheduler):  # type: ignore[misc]
+    """Stock vLLM's ``Scheduler`` with the step trace: how a stock node is traced with no host tier, whose
+    connector would trace it (``_serve.build_vllm_command`` passes it to a stock node only while
+    ``HINTFLOW_STEP_TRACE`` is set)."""
+
+
+class TracedAsyncScheduler(_TraceSteps, AsyncScheduler):  # type: ignore[misc]
+    """Stock vLLM's ``AsyncScheduler`` with the step trace."""
+
+
+class TracedAutoScheduler:
+    """``--scheduler-cls`` of a traced stock node: the traced class that matches the engine's final config,
+    as vLLM itself picks between its two without ``--scheduler-cls`` (see ``HintflowAutoScheduler``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return _matching(TracedScheduler, TracedAsyncScheduler, args, kwargs)

@@ -36,6 +36,7 @@ __all__ = [
     "AUTO_SCHEDULER_CLS",
     "NODE_SETTINGS",
     "SCHEDULER_CLS",
+    "TRACED_STOCK_SCHEDULER_CLS",
     "async_scheduling_flag",
     "build_vllm_command",
     "find_vllm_python",
@@ -51,6 +52,7 @@ __all__ = [
 SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowScheduler"
 ASYNC_SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowAsyncScheduler"
 AUTO_SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.HintflowAutoScheduler"
+TRACED_STOCK_SCHEDULER_CLS = "engine_adapter.vllm_backend._scheduler.TracedAutoScheduler"
 REPO = Path(__file__).resolve().parents[2]
 NODE_SETTINGS = (
     "HINTFLOW_ADMIT_FRACTION", "HINTFLOW_ADMIT_GUARD", "HINTFLOW_ADMIT_HORIZON_S", "HINTFLOW_ADMIT_MAX_WAIT_S",
@@ -188,6 +190,8 @@ def build_vllm_command(
             env["HINTFLOW_NODE_ID"] = node_id
         if infer_hints is not None:
             env["HINTFLOW_INFER_HINTS"] = "1" if infer_hints else "0"
+    elif env.get("HINTFLOW_STEP_TRACE", "").strip() and not _has_flag(extra, "--scheduler-cls"):
+        argv += ["--scheduler-cls", TRACED_STOCK_SCHEDULER_CLS]  # stock scheduling, each step traced
     return argv + extra, env
 
 
