@@ -8,8 +8,9 @@ files are taken in the order their servers started, which is the order of the re
 them with ``--names``). A step's duration is the gap to the next line; gaps over ``--max-gap-s`` are the
 server waiting for work, not a step, and are left out. For each file: the measured step time against the
 profile's price (``CostModel.step_time``'s formula: each prefill chunk ``a + b n + c ((p+n)^2 - p^2)``, the
-decodes together ``base + per_seq k + per_ctx ctx``), by kind of step and by 10 s window, with the
-requests per step. ``--fit`` fits those six coefficients by least squares on the named files' steps and
+decodes together ``base + per_seq k + per_ctx ctx``, each block the host tier copied ``copy_per_block``),
+by kind of step and by 10 s window, with the requests per step. ``--fit`` fits those coefficients (the
+copy's only where the named steps copied blocks) by least squares on the named files' steps and
 prints every file's price under the fit; ``--write-profile`` writes ``cpu-vllm-tiny`` with them, which
 ``scripts/vllm_predict.py --profile`` replays with instead of scaling the idle profile to the stock run.
 """
@@ -32,7 +33,7 @@ from engine_adapter import CostModel
 __all__ = ["COEFFICIENTS", "Step", "fit", "load_trace", "price", "profile_with", "report"]
 
 COEFFICIENTS = ("prefill_a_s", "prefill_b_s_per_token", "prefill_c_s_per_token2",
-                "decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s")  # fmt: skip
+                "decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "copy_per_block_s")  # fmt: skip
 BASE_PROFILE = Path(__file__).resolve().parents[1] / "engine_adapter/profiles/cpu-vllm-tiny.json"
 
 Step = tuple[float, float, list[Any]]
@@ -53,26 +54,42 @@ def load_trace(path: Path, max_gap_s: float = 3.0) -> tuple[dict[str, Any], list
     return header, steps
 
 
+def _copies(line: list[Any]) -> int:
+    """The blocks the step's host tier copied, either way (0 in a trace from before they were recorded)."""
+    return int(line[5]) + int(line[6]) if len(line) >= 7 else 0
+
+
 def _features(line: list[Any]) -> list[float]:
     _, _, prefills, num_decodes, decode_ctx = line[:5]
     return [float(len(prefills)), float(sum(n for n, _ in prefills)),
             float(sum((p + n) ** 2 - p**2 for n, p in prefills)), float(num_decodes > 0), float(num_decodes),
-            float(decode_ctx)]  # fmt: skip
+            float(decode_ctx), float(_copies(line))]  # fmt: skip
 
 
 def price(cm: CostModel, line: list[Any]) -> float:
-    """The profile's price of a traced step (``CostModel.step_time``'s formula; no copies in the trace)."""
-    return sum(cm.prefill_time(n, p) for n, p in line[2]) + cm.decode_time(line[3], line[4])
+    """The profile's price of a traced step (``CostModel.step_time``'s formula: the parts back to back)."""
+    prefill = sum(cm.prefill_time(n, p) for n, p in line[2])
+    return prefill + cm.decode_time(line[3], line[4]) + cm.copy_time(_copies(line))
 
 
 def fit(steps: Sequence[Step]) -> dict[str, float]:
-    """The six coefficients (``COEFFICIENTS``) that price ``steps`` best (least squares; none below 0)."""
-    if len(steps) < len(COEFFICIENTS):
-        raise ValueError(f"fitting {len(COEFFICIENTS)} coefficients needs at least as many steps, got {len(steps)}")
-    x = np.array([_features(line) for _, _, line in steps])
+    """The coefficients (``COEFFICIENTS``) that price ``steps`` best (least squares; none below 0); the copy
+    price only where some step copied blocks (else the profile keeps its own)."""
+    copied = any(_copies(line) for _, _, line in steps)
+    names = COEFFICIENTS if copied else COEFFICIENTS[:-1]
+    if len(steps) < len(names):
+        raise ValueError(f"fitting {len(names)} coefficients needs at least as many steps, got {len(steps)}")
+    x = np.array([_features(line)[: len(names)] for _, _, line in steps])
     y = np.array([dt for _, dt, _ in steps])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    return {k: max(0.0, float(v)) for k, v in zip(COEFFICIENTS, coef, strict=True)}
+    # No price is negative: a coefficient the fit puts below 0 is held at 0 and the rest fitted again (clipping
+    # it after the fit would leave the others fitted to a price the profile does not charge)
+    free = list(range(len(names)))
+    while True:
+        coef = np.zeros(len(names))
+        coef[free] = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
+        if coef.min() >= 0:
+            return {k: float(v) for k, v in zip(names, coef, strict=True)}
+        free.remove(int(np.argmin(coef)))
 
 
 def profile_with(coefficients: dict[str, float], source: str) -> dict[str, Any]:
@@ -86,8 +103,9 @@ def profile_with(coefficients: dict[str, float], source: str) -> dict[str, Any]:
 def _kind(line: list[Any]) -> str:
     n = len(line[2])
     if not n:
-        return "decodes only"
-    return f"{min(n, 3)}{'+' if n >= 3 else ''} prefill chunk{'s' if n > 1 else ''}" + (" + decodes" if line[3] else "")
+        return "decodes only" + (", host copies" if _copies(line) else "")
+    kind = f"{min(n, 3)}{'+' if n >= 3 else ''} prefill chunk{'s' if n > 1 else ''}" + (" + decodes" if line[3] else "")
+    return kind + (", host copies" if _copies(line) else "")
 
 
 def report(name: str, steps: Sequence[Step], cm: CostModel) -> list[str]:
@@ -129,7 +147,7 @@ def main() -> None:
     ap.add_argument("trace_dir", type=Path)
     ap.add_argument("--names", help="a name per trace file, in start order (default: the files' scheduler)")
     ap.add_argument("--profile", type=Path, help="the profile to price with [cpu-vllm-tiny]")
-    ap.add_argument("--fit", help="fit the six coefficients on these names' steps (comma-separated)")
+    ap.add_argument("--fit", help="fit the coefficients on these names' steps (comma-separated)")
     ap.add_argument("--write-profile", type=Path, help="with --fit: write the fitted profile here")
     ap.add_argument("--max-gap-s", type=float, default=3.0, help="a longer gap is idle, not a step [3]")
     a = ap.parse_args()

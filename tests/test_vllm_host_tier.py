@@ -15,8 +15,8 @@ scheduler and under hintflow's, with a 24-block pool:
 - the blocks a load read go first in line for eviction once the step's copies are shipped (the device holds
   them again);
 - the step trace (``HINTFLOW_STEP_TRACE``, ``_step_trace``) records each step as vLLM scheduled it, once:
-  A's first prompt as one 1,500-token chunk, A again as the rest after what came back from the host, and
-  every decode (stock vLLM's scheduler runs as the traced class the harness gives a traced stock node);
+  A's first prompt as one 1,500-token chunk, A again as the rest after what came back from the host,
+  the host tier's copies in the steps that ran them, and every decode (stock vLLM's scheduler runs as the traced class the harness gives a traced stock node);
 - hintflow's scheduler does not save a turn flagged ``is_last_turn`` when the device evicts it, puts the released program's host
   blocks first in line for eviction, and counts host hits as ``host_hit`` tokens; every device block is
   free again at the end (none lost to a delayed free).
@@ -277,4 +277,7 @@ def test_the_step_trace_records_each_step_as_vllm_scheduled_it(report: dict[str,
     assert loaded > 0 and [1500 - loaded, loaded] in chunks  # A again: only what did not come back
     assert all(s[1] == sum(n for n, _ in s[2]) + s[3] for s in steps)  # every scheduled token is in a line
     assert sum(s[3] for s in steps) == 7 * 13  # 13 prompts of 8 tokens, each 7 decodes after its prefill
+    stats = report[scheduler]["stats"]  # the host tier's copies, in the steps that ran them
+    assert sum(s[5] for s in steps) == stats["num_loaded_blocks"] > 0
+    assert sum(s[6] for s in steps) >= stats["num_saved_blocks"] > 0  # (the trace also has the last steps')
     assert all(a[0] <= b[0] for a, b in itertools.pairwise(steps))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from engine_adapter import CostModel
-from engine_adapter._executor import ScheduledBatch, ScheduledSeq
+from engine_adapter._executor import CopyOp, ScheduledBatch, ScheduledSeq
 from engine_adapter.vllm_backend import _step_trace
 
 
@@ -45,10 +45,19 @@ def _output(new: list[tuple[str, int]], cached: list[tuple[str, int]], scheduled
 def test_a_step_line_tells_prefill_chunks_from_decodes() -> None:
     out = _output(new=[("a", 256), ("b", 0)], cached=[("c", 1000), ("d", 2048), ("e", 70)],
                   scheduled={"a": 512, "b": 1, "c": 1, "d": 300})  # fmt: skip
-    t, tokens, prefills, num_decodes, ctx = _step_trace.step_line(out, 12.5)
+    t, tokens, prefills, num_decodes, ctx, loads, saves = _step_trace.step_line(out, 12.5)
     assert (t, tokens) == (12.5, 814)
     assert prefills == [[512, 256], [1, 0], [300, 2048]]  # a one-token prompt is a prefill, not a decode
     assert (num_decodes, ctx) == (1, 1001)  # "e" was not scheduled this step
+    assert (loads, saves) == (0, 0)  # no host tier
+
+
+def test_a_step_line_counts_the_host_tiers_copies() -> None:
+    out = _output(new=[("a", 256)], cached=[], scheduled={"a": 512})
+    meta = SimpleNamespace(loads=[(3, 7), (4, 8)], saves=[(9, 1), (10, 2), (11, 3)])
+    assert _step_trace.step_line(out, 1.0, meta)[5:] == [2, 3]  # handed in by the connector
+    out.kv_connector_metadata = meta  # attached by vLLM once the connector built it
+    assert _step_trace.step_line(out, 1.0)[5:] == [2, 3]
 
 
 def test_the_trace_writes_a_header_and_each_step_once(tmp_path: Path) -> None:
@@ -59,7 +68,7 @@ def test_the_trace_writes_a_header_and_each_step_once(tmp_path: Path) -> None:
     trace.record(_output([], [("a", 128)], {"a": 1}))
     lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert lines[0] == {"scheduler": "hintflow"} and len(lines) == 3 and trace.num_steps == 2
-    assert lines[1][2] == [[128, 0]] and lines[2][3:] == [1, 129]
+    assert lines[1][2] == [[128, 0]] and lines[2][3:] == [1, 129, 0, 0]
     trace.record(SimpleNamespace())  # a step it cannot read stops the trace, it does not raise
     assert trace._file.closed and trace.num_steps == 2
     trace.record(first)  # and nothing more is written
@@ -102,16 +111,19 @@ def test_an_unwritable_trace_directory_leaves_tracing_off(tmp_path: Path, monkey
     trace.close()
 
 
-def _steps(cm: CostModel, n: int, seed: int = 0) -> list[tuple[float, float, list[Any]]]:
+def _steps(cm: CostModel, n: int, seed: int = 0, copies: bool = True) -> list[tuple[float, float, list[Any]]]:
     """Steps of random shapes, each lasting what ``cm.step_time`` prices the same batch at."""
     rng, steps = random.Random(seed), []
     for i in range(n):
         prefills = [[rng.randint(1, 2048), rng.choice([0, rng.randint(1, 4000)])] for _ in range(rng.randint(0, 3))]
         contexts = [rng.randint(100, 4000) for _ in range(rng.randint(0 if prefills else 1, 8))]  # with its new token
-        line = [0.1 * i, sum(n for n, _ in prefills) + len(contexts), prefills, len(contexts), sum(contexts)]
+        loads, saves = (rng.randint(0, 12), rng.randint(0, 12)) if copies and rng.random() < 0.3 else (0, 0)
+        line = [0.1 * i, sum(n for n, _ in prefills) + len(contexts), prefills, len(contexts), sum(contexts),
+                loads, saves]  # fmt: skip
         batch = ScheduledBatch(
             [ScheduledSeq(f"p{j}", [0] * n, p, [], True) for j, (n, p) in enumerate(prefills)]
-            + [ScheduledSeq(f"d{j}", [0], c - 1, [], True) for j, c in enumerate(contexts)]
+            + [ScheduledSeq(f"d{j}", [0], c - 1, [], True) for j, c in enumerate(contexts)],
+            [CopyOp("h2d", j, j) for j in range(loads)] + [CopyOp("d2h", j, j) for j in range(saves)],
         )  # fmt: skip
         steps.append((0.1 * i, cm.step_time(batch), line))
     return steps
@@ -123,6 +135,7 @@ def test_a_traced_step_is_priced_as_the_cost_model_prices_its_batch() -> None:
     cm = CostModel(**{k: v for k, v in profile.items() if k in CostModel.model_fields})
     steps = _steps(cm, 300)
     assert any(line[2] and line[3] for _, _, line in steps)  # mixed steps among them
+    assert any(line[5] for _, _, line in steps)  # and steps that copy blocks
     for _, dt, line in steps:
         assert vs.price(cm, line) == pytest.approx(dt, rel=1e-9)
 
@@ -130,12 +143,17 @@ def test_a_traced_step_is_priced_as_the_cost_model_prices_its_batch() -> None:
 def test_the_fit_finds_the_coefficients_that_priced_the_steps() -> None:
     vs = _script()
     truth = {"prefill_a_s": 0.012, "prefill_b_s_per_token": 3e-5, "prefill_c_s_per_token2": 1e-8,
-             "decode_base_s": 0.005, "decode_per_seq_s": 4e-4, "decode_per_ctx_token_s": 6e-7}  # fmt: skip
+             "decode_base_s": 0.005, "decode_per_seq_s": 4e-4, "decode_per_ctx_token_s": 6e-7,
+             "copy_per_block_s": 2e-4}  # fmt: skip
     cm = CostModel(**{k: v for k, v in vs.profile_with(truth, "test").items() if k in CostModel.model_fields})
     steps = [(t, vs.price(cm, line), line) for t, _, line in _steps(cm, 400, seed=1)]
     got = vs.fit(steps)
     for k, v in truth.items():
         assert got[k] == pytest.approx(v, rel=1e-6), k
+    # steps that copied nothing (no host tier, or a trace from before copies were recorded) leave the copy
+    # price to the profile
+    plain = [(t, vs.price(cm, line), line[:5]) for t, _, line in _steps(cm, 400, seed=2, copies=False)]
+    assert "copy_per_block_s" not in vs.fit(plain) and vs.fit(plain)["decode_base_s"] == pytest.approx(0.005)
     with pytest.raises(ValueError, match="at least as many steps"):
         vs.fit(steps[:3])
 

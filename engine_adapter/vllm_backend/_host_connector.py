@@ -296,9 +296,6 @@ class HintflowHostTier(KVConnectorBase_V1):
             del self._no_save[next(iter(self._no_save))]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        trace = step_trace("vllm")  # (hintflow's scheduler opened it first where it runs: one file)
-        if trace is not None:
-            trace.record(scheduler_output)
         if self.save_on_evict:
             self._plan_evicted_saves()
             if self._saves:
@@ -308,6 +305,9 @@ class HintflowHostTier(KVConnectorBase_V1):
         else:
             self._plan_running_saves(scheduler_output)
         meta = HostTierMetadata(saves=self._saves, loads=self._loads, saved_req_ids=self._saving_req_ids)
+        trace = step_trace("vllm")  # (hintflow's scheduler opened it first where it runs: one file)
+        if trace is not None:  # with the step's copies, which vLLM attaches to the output after this returns
+            trace.record(scheduler_output, meta)
         # a later step's copies run after this step's, so the slots can be reused from now on; on eviction
         # saves the loaded blocks' copies go first in line (the device holds them again), as write-through's
         # stay in LRU order (there the host mirrors the device by design)

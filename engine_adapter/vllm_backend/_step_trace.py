@@ -9,10 +9,12 @@ own traced steps priced both within 2% (docs/benchmarks.md, "The step's price, m
 reads these files: each step's price under a profile, by kind of step and by 10 s window, and a profile
 fitted to them.
 
-What a line holds: ``[t_s, tokens, [[n, p], ...], num_decodes, decode_ctx_tokens]``, with ``t_s`` the
-monotonic clock when the step was scheduled, ``tokens`` the step's scheduled tokens, one ``[n, p]`` per
-prefill chunk (``n`` new tokens after ``p`` already computed or cached), and the decodes (one token each
-after a computed context) with their total context. A step's duration is the gap to the next line: vLLM
+What a line holds: ``[t_s, tokens, [[n, p], ...], num_decodes, decode_ctx_tokens, num_loads, num_saves]``,
+with ``t_s`` the monotonic clock when the step was scheduled, ``tokens`` the step's scheduled tokens, one
+``[n, p]`` per prefill chunk (``n`` new tokens after ``p`` already computed or cached), the decodes (one
+token each after a computed context) with their total context, and the blocks the host tier copies in
+the step, host to device and device to host (0 and 0 without one; traces before these two fields have
+five). A step's duration is the gap to the next line: vLLM
 schedules the next step when this one's output is back (with async scheduling on the gaps overlap, and
 the trace says so in its header). The first line is a header (``{"pid", "node_id", "scheduler",
 "async_scheduling", "started_unix_s"}``).
@@ -42,9 +44,11 @@ __all__ = ["StepTrace", "step_line", "step_trace"]
 log = logging.getLogger(__name__)
 
 
-def step_line(output: Any, now_s: float) -> list[Any]:
+def step_line(output: Any, now_s: float, copies: Any = None) -> list[Any]:
     """The trace line of one ``SchedulerOutput`` (read before vLLM advances its requests: the data objects
-    hold each request's computed tokens as of this step's start)."""
+    hold each request's computed tokens as of this step's start). ``copies``: the step's host-tier
+    metadata (``saves`` and ``loads`` lists) where the connector hands it in before vLLM attaches it to the
+    output; else the output's own ``kv_connector_metadata``, and none without a host tier."""
     scheduled: dict[str, int] = output.num_scheduled_tokens
     items = [(r.req_id, r.num_computed_tokens) for r in output.scheduled_new_reqs]
     cached = output.scheduled_cached_reqs
@@ -58,7 +62,9 @@ def step_line(output: Any, now_s: float) -> list[Any]:
             decode_ctx += done + 1
         elif n > 0:
             prefills.append([n, done])
-    return [round(now_s, 6), int(output.total_num_scheduled_tokens), prefills, num_decodes, decode_ctx]
+    meta = copies if copies is not None else getattr(output, "kv_connector_metadata", None)
+    loads, saves = len(getattr(meta, "loads", None) or ()), len(getattr(meta, "saves", None) or ())
+    return [round(now_s, 6), int(output.total_num_scheduled_tokens), prefills, num_decodes, decode_ctx, loads, saves]
 
 
 class StepTrace:
@@ -73,12 +79,12 @@ class StepTrace:
         self._last: object | None = None
         self.num_steps = 0
 
-    def record(self, output: Any) -> None:
+    def record(self, output: Any, copies: Any = None) -> None:
         if self._file.closed or output is self._last:
             return  # stopped, or the connector and the scheduler both saw this step
         self._last = output
         try:
-            self._file.write(json.dumps(step_line(output, time.monotonic())) + "\n")
+            self._file.write(json.dumps(step_line(output, time.monotonic(), copies)) + "\n")
         except (OSError, AttributeError, TypeError, ValueError) as e:  # never into vLLM's engine loop
             log.warning("hintflow: the step trace %s stopped: %s", self.path, e)
             self.close()
