@@ -18,7 +18,12 @@ where a hintflow mode's node reported it (``node_prefill_share``), so that the r
 spends the same share of its step time prefilling: several splits of a step between prefill and decode fit
 the stock run's latencies alike, and the pin price (``measured_price``) depends on the split.
 Step 2 replays, with that cost model, one node configured as each real mode's node (``MIRRORS``) and
-prints each mode's ratio to stock vLLM, measured against predicted, and whether the ranking agrees.
+prints each mode's ratio to stock vLLM, measured against predicted, and whether the ranking agrees. It
+replays ``--spread`` times (5 by default), with every step price of the profile scaled 1% apart around it
+(0.98x to 1.02x), and predicts each ratio as the median, with the range: a mirror of hintflow's node is
+chaotic (which turn waits and which context survives turns on small differences in time), so one replay's
+ratio is one draw: on sd2's step-fitted profile, scaling every price by 0.97-1.03x moved hintflow's
+predicted ratio between 0.51x and 0.56x, stock's JCT smoothly.
 
 Each hintflow node runs the node's admission guard (``scheduler.admit_*``, the same rule), and
 a variant's node settings in ``NODE_ENV`` are mirrored as scheduler keys; a variant of any other setting
@@ -93,6 +98,8 @@ default since 2026-12-03; the replay's own tier does the same), or write-through
 recently used chains dropped first (the sittings before)."""
 """Each real mode as the replay's configuration of one embedded node that runs the same rules."""
 KEYS = ("jct_mean_s", "jct_p90_s", "ttft_p50_s")
+STEP_PRICES = ("prefill_a_s", "prefill_b_s_per_token", "prefill_c_s_per_token2", "decode_base_s", "decode_per_seq_s",
+               "decode_per_ctx_token_s", "copy_per_block_s")  # fmt: skip
 # The measured profile's prefill and decode parts each scaled to the sitting: wide enough for the VM's
 # speeds seen so far (it ran the benchmark trace 2.5x faster on 2026-12-03's evening than that afternoon)
 PREFILL_SCALE = [1.25**i for i in range(-6, 10)]  # 0.26x .. 7.5x
@@ -222,6 +229,30 @@ def _profile(prefill_scale: float, decode_scale: float, out: Path) -> str:
     return str(out)
 
 
+def _scaled_profile(path: str, factor: float, out: Path) -> str:
+    """The profile at ``path`` with every step price (prefill, decode, copy) times ``factor``."""
+    profile = json.loads(Path(path).read_text())
+    for key in STEP_PRICES:
+        profile[key] *= factor
+    out.write_text(json.dumps(profile))
+    return str(out)
+
+
+def spread_factors(n: int) -> list[float]:
+    """``n`` scales of the step prices, 1% apart and centred on 1 (``n`` odd: 1 itself is one of them)."""
+    if n < 1 or n % 2 == 0:
+        raise ValueError(f"--spread {n}: expected an odd number of replays (1, 3, 5, ...)")
+    return [1.0 + 0.01 * (i - n // 2) for i in range(n)]
+
+
+def ratio_spread(runs: list[dict[str, dict[str, float]]], mode: str, ref: str, key: str) -> tuple[float, float, float]:
+    """``mode``'s ratio to ``ref`` on ``key`` in each replay of ``runs``: (median, lowest, highest)."""
+    ratios = sorted(run[mode][key] / run[ref][key] for run in runs)
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return median, ratios[0], ratios[-1]
+
+
 def _replay(setup: ReplaySetup, specs: list[str]) -> dict[str, dict[str, float]]:
     configs: list[Any] = []
     for spec in specs:
@@ -321,6 +352,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path,
                     help="replay with this cost profile instead of fitting one to the stock run (a profile "
                          "scripts/vllm_steps.py --write-profile fitted to the sitting's traced steps)")
+    ap.add_argument("--spread", type=int, default=5,
+                    help="replays of the prediction, every step price scaled 1%% apart around the profile's; the "
+                         "ratio is their median (odd; 1: one replay) [5]")
     ap.add_argument("--turns", metavar="MODE", help="compare one mode turn by turn with its mirror")
     ap.add_argument("--fit", type=Path, metavar="OUT",
                     help="with --turns: the fitted profiles of an earlier run on this report (its --json OUT)")
@@ -346,6 +380,8 @@ def main() -> None:
         _turns(real, a.turns, variants, a, host_guard)
         return
     pred: dict[str, dict[str, float]] = {}
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {}  # each mode: its group's replays, one per factor
+    factors = spread_factors(a.spread)
     fits: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for host in (False, True):
@@ -365,11 +401,17 @@ def main() -> None:
                       f"s/token², decode step {profile['decode_base_s']:.3g} s (replayed {fit['jct_mean_s']:.1f} / "
                       f"{fit['jct_p90_s']:.1f} s JCT mean / p90, TTFT p50 {fit['ttft_p50_s']:.2f} s; rms log error {rms:.3f})")
             specs = [_spec(real, m, variants, a.host_save, host_guard, a.device_pin_budget) for m in group]
-            got = _replay(_setup(real, path, host=host), specs)
             names = [s.partition("=")[0] if "=" in s else s for s in specs]
-            pred.update({m: got[n] for m, n in zip(group, names, strict=True)})
+            replays = []
+            for i, factor in enumerate(factors):
+                scaled = path if factor == 1.0 else _scaled_profile(path, factor, Path(tmp) / f"s{int(host)}-{i}.json")
+                got = _replay(_setup(real, scaled, host=host), specs)
+                replays.append({m: got[n] for m, n in zip(group, names, strict=True)})
+                if factor == 1.0:
+                    pred.update(replays[-1])
+            runs.update(dict.fromkeys(group, replays))  # a ratio's two rows come from one group's replays
     meas = real["policies"]
-    print("| mode | measured mean / p90 JCT | predicted | × stock | predicted × stock | error (mean, p90) | "
+    print("| mode | measured mean / p90 JCT | predicted | × stock | predicted × stock (median, range) | error (mean, p90) | "
           "hits measured / predicted |\n|---|---|---|---|---|---|---|")
     rows = {}
     for m in modes:
@@ -378,13 +420,15 @@ def main() -> None:
         # machine drifting during the sitting moves far less than the ratio of the medians
         paired = real.get("ratios", {}).get(m, {}) if real.get("sequence") else {}
         r_meas = [paired[k]["median"] if k in paired else meas[m][k] / meas[ref][k] for k in ("jct_mean_s", "jct_p90_s")]
-        r_pred = [pred[m][k] / pred[ref][k] for k in ("jct_mean_s", "jct_p90_s")]
+        spread = [ratio_spread(runs[m], m, ref, k) for k in ("jct_mean_s", "jct_p90_s")]
+        r_pred = [med for med, _, _ in spread]
         err = [p / r - 1 for p, r in zip(r_pred, r_meas, strict=True)]
-        rows[m] = {"measured": r_meas, "predicted": r_pred, "error": err,
-                   "predicted_jct_s": [pred[m]["jct_mean_s"], pred[m]["jct_p90_s"]]}
+        rows[m] = {"measured": r_meas, "predicted": r_pred, "predicted_range": [[lo, hi] for _, lo, hi in spread],
+                   "error": err, "predicted_jct_s": [pred[m]["jct_mean_s"], pred[m]["jct_p90_s"]]}
+        ranges = "" if len(factors) == 1 else " (" + ", ".join(f"{lo:.2f}-{hi:.2f}" for _, lo, hi in spread) + ")"
         print(f"| {m} | {meas[m]['jct_mean_s']:.1f} / {meas[m]['jct_p90_s']:.1f} s | "
               f"{pred[m]['jct_mean_s']:.1f} / {pred[m]['jct_p90_s']:.1f} s | {r_meas[0]:.2f}, {r_meas[1]:.2f} | "
-              f"{r_pred[0]:.2f}, {r_pred[1]:.2f} | {err[0]:+.0%}, {err[1]:+.0%} | "
+              f"{r_pred[0]:.2f}, {r_pred[1]:.2f}{ranges} | {err[0]:+.0%}, {err[1]:+.0%} | "
               f"{meas[m]['across_turn_hit_rate']:.0%} / {pred[m]['across_turn_hit_rate']:.0%} |")
     order_meas = sorted(modes, key=lambda m: (m.endswith("+host"), meas[m]["jct_mean_s"]))
     order_pred = sorted(modes, key=lambda m: (m.endswith("+host"), pred[m]["jct_mean_s"]))
