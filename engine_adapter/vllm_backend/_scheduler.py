@@ -90,7 +90,7 @@ class _TraceSteps:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        trace = step_trace("vllm")
+        trace = step_trace("vllm", async_scheduling=isinstance(self, AsyncScheduler))  # (the header says which)
         if trace is not None:  # (a host connector records the same output too: it is written once)
             trace.record(out)
         return out
