@@ -340,9 +340,9 @@ async def test_a_restarted_node_comes_back_empty_and_gets_no_hint_of_its_earlier
             async def heard() -> bool:
                 return pub.node_epoch not in (0, old_epoch) and pub.num_pending == 0
 
-            # 30 s: one push in flight to the dead life may wait out its ack timeout (10 s) before the queue settles;
-            # 15 s ran out once on the 2-core CI machine under load
-            await until(heard, 30, "the runtime hearing of the new life and settling what it had queued")
+            # 60 s: one push in flight to the dead life may wait out its ack timeout (10 s), then retries back off,
+            # before the queue settles; 15 s and then 30 s each ran out once on the 2-core CI machine under load
+            await until(heard, 60, "the runtime hearing of the new life and settling what it had queued")
             heard_s = time.monotonic() - serving
             # It came back empty.
             st = await a2.state()
