@@ -6,26 +6,13 @@ disagreement between a run and itself."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from replay import ReplaySetup, get_replay_config, run_replay
-
-
-def _module() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "mirror_turns.py"
-    spec = importlib.util.spec_from_file_location("mirror_turns", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mirror_turns"] = module  # (dataclasses look their module up while the class is built)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_support import load_script
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +34,7 @@ def _as_report(turns: list[Any]) -> list[dict[str, Any]]:
 
 
 def test_a_run_beside_itself_agrees_turn_by_turn(replayed: list[Any]) -> None:
-    mt = _module()
+    mt = load_script("mirror_turns")
     pairs = mt.pair_turns(_as_report(replayed), replayed)
     assert len(pairs) == len(replayed) > 12
     returning = [p for p in pairs if not p.first]
@@ -63,7 +50,7 @@ def test_a_run_beside_itself_agrees_turn_by_turn(replayed: list[Any]) -> None:
 
 
 def test_a_turn_only_one_side_served_is_left_out(replayed: list[Any]) -> None:
-    mt = _module()
+    mt = load_script("mirror_turns")
     report = _as_report(replayed)
     dropped = (report[0]["program"], 1)
     mirror = [t for t in replayed if (t.program_id, t.turn_index) != dropped]
@@ -73,7 +60,7 @@ def test_a_turn_only_one_side_served_is_left_out(replayed: list[Any]) -> None:
 
 
 def test_bins_count_returning_turns_and_the_tail_tells_first_from_returning() -> None:
-    mt = _module()
+    mt = load_script("mirror_turns")
     P = mt.TurnPair
     pairs = [
         P("a", 0, 0.5, math.nan, 0, 0, 0, 0, 4.0, 1.0),

@@ -5,26 +5,14 @@ its fit is checked on samples made from known coefficients, so a wrong chunk rul
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
 from engine_adapter import CostModel
-
-
-def _probe() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "vllm_cost_probe.py"
-    spec = importlib.util.spec_from_file_location("vllm_cost_probe", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_support import load_script
 
 
 def test_a_prompt_over_the_step_budget_runs_as_chunks_one_a_step() -> None:
-    probe = _probe()
+    probe = load_script("vllm_cost_probe")
     assert probe._chunks(1000, 0) == [(1000, 0)]
     assert probe._chunks(4096, 0) == [(2048, 0), (2048, 2048)]
     assert probe._chunks(512, 3584) == [(512, 3584)]
@@ -32,7 +20,7 @@ def test_a_prompt_over_the_step_budget_runs_as_chunks_one_a_step() -> None:
 
 
 def test_the_fit_gives_back_the_coefficients_the_samples_were_made_with() -> None:
-    probe = _probe()
+    probe = load_script("vllm_cost_probe")
     truth = CostModel(name="t", hardware="h", model="m", source="s", prefill_a_s=0.004, prefill_b_s_per_token=3e-5,
                       prefill_c_s_per_token2=2e-8, decode_base_s=0.006, decode_per_seq_s=5e-4,
                       decode_per_ctx_token_s=3e-7, copy_per_block_s=0.0, block_size=128,

@@ -3,28 +3,16 @@ each ratio the median of the replays (a mirror of hintflow's node is chaotic: on
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-
-def _module() -> ModuleType:
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    if str(scripts) not in sys.path:
-        sys.path.insert(0, str(scripts))  # (it imports mirror_turns from beside it)
-    spec = importlib.util.spec_from_file_location("vllm_predict", scripts / "vllm_predict.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_support import load_script
 
 
 def test_the_spread_is_centred_on_the_profile_and_one_percent_apart() -> None:
-    vp = _module()
+    vp = load_script("vllm_predict")
     assert vp.spread_factors(1) == [1.0]
     assert vp.spread_factors(5) == pytest.approx([0.98, 0.99, 1.0, 1.01, 1.02])
     for bad in (0, 2, -1):
@@ -33,7 +21,7 @@ def test_the_spread_is_centred_on_the_profile_and_one_percent_apart() -> None:
 
 
 def test_a_ratio_is_the_median_of_the_replays_with_its_range() -> None:
-    vp = _module()
+    vp = load_script("vllm_predict")
     runs = [{"h": {"jct_mean_s": h}, "v": {"jct_mean_s": 100.0}} for h in (56.0, 52.0, 60.0, 53.0, 51.0)]
     assert vp.ratio_spread(runs, "h", "v", "jct_mean_s") == pytest.approx((0.53, 0.51, 0.60))
     # each ratio within its own replay: a replay where both rows are slower is not a worse ratio
@@ -42,7 +30,7 @@ def test_a_ratio_is_the_median_of_the_replays_with_its_range() -> None:
 
 
 def test_a_scaled_profile_scales_every_step_price_and_nothing_else(tmp_path: Path) -> None:
-    vp = _module()
+    vp = load_script("vllm_predict")
     base = Path(__file__).resolve().parents[1] / "engine_adapter/profiles/cpu-vllm-tiny.json"
     out = Path(vp._scaled_profile(str(base), 1.02, tmp_path / "p.json"))
     before, after = json.loads(base.read_text()), json.loads(out.read_text())

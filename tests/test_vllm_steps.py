@@ -7,13 +7,11 @@ coefficient fails."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import random
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,16 +19,7 @@ import pytest
 from engine_adapter import CostModel
 from engine_adapter._executor import CopyOp, ScheduledBatch, ScheduledSeq
 from engine_adapter.vllm_backend import _step_trace
-
-
-def _script() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "vllm_steps.py"
-    spec = importlib.util.spec_from_file_location("vllm_steps", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_steps"] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_support import load_script
 
 
 def _output(new: list[tuple[str, int]], cached: list[tuple[str, int]], scheduled: dict[str, int]) -> Any:
@@ -130,7 +119,7 @@ def _steps(cm: CostModel, n: int, seed: int = 0, copies: bool = True) -> list[tu
 
 
 def test_a_traced_step_is_priced_as_the_cost_model_prices_its_batch() -> None:
-    vs = _script()
+    vs = load_script("vllm_steps")
     profile = json.loads(vs.BASE_PROFILE.read_text())
     cm = CostModel(**{k: v for k, v in profile.items() if k in CostModel.model_fields})
     steps = _steps(cm, 300)
@@ -141,7 +130,7 @@ def test_a_traced_step_is_priced_as_the_cost_model_prices_its_batch() -> None:
 
 
 def test_the_fit_finds_the_coefficients_that_priced_the_steps() -> None:
-    vs = _script()
+    vs = load_script("vllm_steps")
     truth = {"prefill_a_s": 0.012, "prefill_b_s_per_token": 3e-5, "prefill_c_s_per_token2": 1e-8,
              "decode_base_s": 0.005, "decode_per_seq_s": 4e-4, "decode_per_ctx_token_s": 6e-7,
              "copy_per_block_s": 2e-4}  # fmt: skip
@@ -159,7 +148,7 @@ def test_the_fit_finds_the_coefficients_that_priced_the_steps() -> None:
 
 
 def test_a_trace_file_gives_durations_and_leaves_idle_gaps_out(tmp_path: Path) -> None:
-    vs = _script()
+    vs = load_script("vllm_steps")
     rows = [{"scheduler": "vllm"}, [10.0, 512, [[512, 0]], 0, 0], [10.2, 1, [], 1, 513], [10.21, 0, [], 0, 0],
             [10.3, 1, [], 1, 514], [30.0, 300, [[300, 0]], 0, 0], [30.1, 1, [], 1, 301]]  # fmt: skip
     path = tmp_path / "steps-1.0-7.jsonl"
