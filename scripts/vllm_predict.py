@@ -29,7 +29,9 @@ Each hintflow node runs the node's admission guard (``scheduler.admit_*``, the s
 a variant's node settings in ``NODE_ENV`` are mirrored as scheduler keys; a variant of any other setting
 is left out. What the mirrors leave out (the replay has no such mechanism): the node's engine-side
 inference (``hintflow-infer``) is mirrored by the orchestrator's ``hintflow`` policy with memory share,
-which prices pins alike but measures T differently; and the gap before a pushed hint reaches the node,
+which prices and renews pins alike (the node renews an inferred pin that runs out in its pause since
+``HINTFLOW_INFER_RENEW``; before, the mirror's renewals kept contexts the node let go) but measures T
+differently; and the gap before a pushed hint reaches the node,
 which the node's turn-end grace (``HINTFLOW_PIN_GRACE_S``) closes.
 
 ``--profile P.json`` replays with a given profile instead of step 1's fit: one that ``scripts/vllm_steps.py``

@@ -97,6 +97,52 @@ def test_a_finished_turn_is_pinned_for_the_continuum_ttl_and_the_pause_is_measur
     assert inf.programs["p"].sessions["p"].tool == "test"
 
 
+def test_a_pin_that_runs_out_in_its_pause_is_decided_again_on_the_pause_so_far() -> None:
+    book, inf, clock = _setup()
+    _turn(book, inf, "p", "r1", {"program_id": "p", "tool": "edit"})
+    s = book.sessions["p"]
+    first = s.pin_deadline_s
+    assert first is not None
+    clock.t = first + 0.01
+    book.expire(inf.renewal_s)
+    # Exp(1 s) is memoryless: the rest of the pause is priced as the whole was, so the lease is renewed
+    assert s.pin_deadline_s is not None and s.pin_deadline_s - clock.t > 3.0 and len(s.held) == 4
+    assert (book.stats.pin_renewals, book.stats.pin_expiries, inf.inferred_renewals) == (1, 0, 1)
+    assert inf.programs["p"].sessions["p"].lease_s > first  # (the silence that releases it follows)
+    # past the cold-start default's 99th percentile (4.6 s) the pause is not taken as that tool's: let go
+    clock.t = s.pin_deadline_s + 0.01
+    book.expire(inf.renewal_s)
+    assert s.pin_deadline_s is None and not s.held and book.num_pinned_blocks == 0
+    assert (book.stats.pin_renewals, book.stats.pin_expiries) == (1, 1)
+
+
+def test_only_an_inferred_pin_in_its_pause_is_renewed() -> None:
+    book, inf, clock = _setup(defer_s=10.0)
+    _turn(book, inf, "p", "r1", {"program_id": "p", "tool": "edit"})
+    inf.note_explicit("q")  # the orchestrator speaks for q: its pin is its own, not this inference's
+    _turn(book, inf, "q", "r2", {"program_id": "q", "tool": "edit"})
+    book.set_pin(book.sessions["q"], 4.0)
+    clock.t = 5.0
+    book.expire()  # no renewal asked for (HINTFLOW_INFER_RENEW=0): p's lease runs out as before
+    assert not book.sessions["p"].held and not book.sessions["q"].held
+    assert (book.stats.pin_renewals, book.stats.pin_expiries) == (0, 2)
+    # the same with renewal: q's explicit pin is let go, p's inferred one renewed
+    book, inf, clock = _setup(defer_s=10.0)
+    _turn(book, inf, "p", "r1", {"program_id": "p", "tool": "edit"})
+    inf.note_explicit("q")
+    _turn(book, inf, "q", "r2", {"program_id": "q", "tool": "edit"})
+    book.set_pin(book.sessions["q"], 4.0)
+    clock.t = 4.2
+    book.expire(inf.renewal_s)
+    assert len(book.sessions["p"].held) == 4 and not book.sessions["q"].held
+    assert (book.stats.pin_renewals, book.stats.pin_expiries) == (1, 1)
+    # a session whose next turn is in flight is not in a pause: its lease is not renewed
+    s = book.sessions["p"]
+    book.on_request_added(s, "r3")
+    inf.on_request(s, {"program_id": "p", "tool": "edit"})
+    assert inf.renewal_s(s) == 0.0
+
+
 def test_program_fcfs_dates_a_program_by_its_first_request() -> None:
     book, inf, clock = _setup()
     _turn(book, inf, "old", "r1", {"program_id": "old"})

@@ -41,7 +41,7 @@ __all__ = [
 def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int = 0) -> CacheState:
     """The node's state in the protocol's terms, read under the scheduler lock."""
     with sched.hint_lock:
-        sched.book.expire()
+        sched.expire_pins()
         pool = sched.kv_cache_manager.block_pool
         bs = sched.block_size
         tier = getattr(sched, "host_tier", None)  # hintflow's host KV tier, when vLLM runs it
@@ -133,13 +133,13 @@ class SchedulerStateVersion:
 
     def version(self) -> int:
         with self.sched.hint_lock:
-            self.sched.book.expire()
+            self.sched.expire_pins()
             signature = self._current()
         return self._observe(signature)
 
     def state(self, include_sessions: bool) -> CacheState:
         with self.sched.hint_lock:
-            self.sched.book.expire()
+            self.sched.expire_pins()
             version = self._observe(self._current())
             return cache_state(self.sched, include_sessions, version)
 

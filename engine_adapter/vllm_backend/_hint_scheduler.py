@@ -157,7 +157,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     tier), HINTFLOW_NODE_ID, HINTFLOW_INFER_HINTS (1),
     HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference), HINTFLOW_INFER_MEMORY_SHARE
     (1: inferred pins priced by the share of the pool they hold; 0: Continuum's cost),
-    HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_SILENT_S (30),
+    HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_RENEW (1), HINTFLOW_INFER_SILENT_S (30),
     HINTFLOW_PRIORITY_AGING_S (see AGING_S: the most head start an older program's turn gets; inf: strict
     program FCFS), HINTFLOW_ADMIT_GUARD (1), HINTFLOW_ADMIT_FRACTION (1.0: share of the pool the in-flight
     contexts may fill before new programs wait), HINTFLOW_ADMIT_MAX_WAIT_S (ADMIT_MAX_WAIT_S; with the host
@@ -231,6 +231,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 host_hits=self.host_hits,
                 prefill_share=self.prefill_share.fraction, unpinned_survival=self.unpinned_survival.fraction,
                 measured_price=env_on("HINTFLOW_INFER_MEASURED_PRICE", "1"),
+                renew=env_on("HINTFLOW_INFER_RENEW", "1"),
             )
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self.step_times = StepTimes()  # what hintflow's rules add to each step (the 10 s log line)
@@ -426,10 +427,16 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         return out
 
     # ---- the step --------------------------------------------------------------------------------
+    def expire_pins(self) -> bool:
+        """Let leases that ran out go, or renew the inferred ones still worth it (``HintInference.renewal_s``).
+        Under ``hint_lock``: each step, and at each metrics scrape (an idle engine does not step)."""
+        renew = self.infer.renewal_s if self.infer is not None and self.infer.renew else None
+        return self.book.expire(renew)
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         with self.hint_lock:
             start_s = time.perf_counter()
-            self.book.expire()
+            self.expire_pins()
             if self.infer is not None:
                 self.infer.sweep()
             self._promote_overdue()
@@ -494,7 +501,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         extra = ""
         if inf is not None:
             extra = (
-                f" inferred_pins={inf.inferred_pins} inferred_releases={inf.inferred_releases}"
+                f" inferred_pins={inf.inferred_pins} renewals={inf.inferred_renewals}"
+                f" inferred_releases={inf.inferred_releases}"
                 f" T={inf.rule.queue_delay_s:.2f}s eta={inf.rule.eta:.2f} reload={inf.s_per_token * 1e6:.0f}us/tok"
             )
             if self.host_tier is not None:

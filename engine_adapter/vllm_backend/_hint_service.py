@@ -153,7 +153,7 @@ def apply_hints(sched: HintSchedulerMixin, hints: Sequence[HintModel | HintDecod
     results = []
     target = _VllmTarget(sched)
     with sched.hint_lock:
-        sched.book.expire()  # an idle engine does not step: leases must still run out on time
+        sched.expire_pins()  # an idle engine does not step: leases must still run out on time
         for i, h in enumerate(hints):
             if sched.infer is not None:  # the orchestrator speaks for these sessions: no inferred pins
                 for sid in _sessions_named(h):

@@ -19,6 +19,10 @@ enough to act as Continuum does, with no other process:
   priced by what the tier actually gives back (:class:`HostTierTTL` with ``HostHitShare``): the copy for
   the share of evicted contexts' tokens returning turns found on the host, the re-prefill and T for the
   rest;
+- **renewal**: when that pin runs out and the session is still in its pause, the pin is decided again on
+  the pause so far (``ttl_remaining``: tau* of the remaining pause given it has lasted this long), as the
+  orchestrator's policies renew theirs, so a pause longer than the first lease keeps its context when
+  what is left of it is still worth the memory (``HINTFLOW_INFER_RENEW``, default on);
 - **program FCFS**: a program's requests are dated by when the engine first saw the program;
 - **release** (of the whole program): at the end of a turn flagged ``is_last_turn``, or once every session
   of the program has stayed silent for :data:`SILENT_FACTOR` times its own lease (at least
@@ -79,7 +83,8 @@ class _Session:
     turns: int = 0
     last_end_s: float | None = None  # when its last turn finished (None while one runs)
     tool: str = UNKNOWN_TOOL  # the tool running since that turn ended
-    lease_s: float = 0.0  # the pin its last turn got (0: none)
+    lease_s: float = 0.0  # the pin its last turn got, renewals included (0: none)
+    context_tokens: int = 0  # its context when its last turn ended (what a renewed pin is priced on)
     last_turn: bool = False  # its running turn is flagged is_last_turn
 
     def silent(self, now: float, min_s: float) -> bool:
@@ -118,6 +123,7 @@ class HintInference:
         prefill_share: Callable[[], float] | None = None,
         unpinned_survival: Callable[[], float] | None = None,
         measured_price: bool = True,
+        renew: bool = True,
     ) -> None:
         """``reload_s_per_token`` fixes the re-prefill cost (a profile, as Continuum's fit) instead of
         measuring it; ``silent_min_s`` is the least silence after which a program is released;
@@ -134,8 +140,10 @@ class HintInference:
         ``prefill_share()``, ``unpinned_survival()``: the node's readings (the scheduler's
         ``PrefillShare`` and ``UnpinnedSurvival``); with them and ``measured_price``, a node without a host
         tier prices pins by ``ContinuumTTL``'s measured price, not T (``HINTFLOW_INFER_MEASURED_PRICE=0``:
-        T with the backlog floor, as before)."""
+        T with the backlog floor, as before). ``renew``: an inferred pin that runs out during its pause is
+        decided again on the pause so far (``renewal_s``; ``HINTFLOW_INFER_RENEW``)."""
         self.book = book
+        self.renew = renew
         self.clock = clock or book.clock
         self.defer_s = defer_s
         self.pauses = PauseModel(min_samples=min_samples, default_mean_s=default_pause_s)
@@ -164,6 +172,7 @@ class HintInference:
         self.silent_min_s = silent_min_s
         self.inferred_pins = 0
         self.inferred_releases = 0
+        self.inferred_renewals = 0
         self._next_sweep_s = 0.0
         self._pinned: set[str] = set()  # sessions whose current pin this inference set
 
@@ -234,6 +243,7 @@ class HintInference:
             return  # another turn of the session is in flight: its end decides
         st.last_end_s = now
         st.lease_s = 0.0
+        st.context_tokens = context_tokens
         if st.last_turn or s.released or self._explicit(s.session_id, now):
             return
         ttl = self.rule.ttl(st.tool, context_tokens)
@@ -242,6 +252,24 @@ class HintInference:
             self.book.set_pin(s, ttl)
             self._pinned.add(s.session_id)
             self.inferred_pins += 1
+
+    def renewal_s(self, s: VSession) -> float:
+        """A further lease for a pin of this inference that ran out (the book asks, ``SessionBook.expire``):
+        tau* of the rest of the pause given it has lasted this long, 0 to let it go. Only while the session
+        is in the pause its pin was for, and the orchestrator does not speak for it."""
+        now = self.clock()
+        st = self._session(s)
+        if (
+            st is None or st.last_end_s is None or st.last_turn or s.session_id not in self._pinned
+            or self._explicit(s.session_id, now)
+        ):  # fmt: skip
+            return 0.0
+        elapsed_s = now - st.last_end_s
+        ttl_s = self.rule.ttl_remaining(st.tool, elapsed_s, st.context_tokens)
+        if ttl_s > 0.0:
+            st.lease_s = elapsed_s + ttl_s
+            self.inferred_renewals += 1
+        return ttl_s
 
     def after_turn_end(self, s: VSession) -> None:
         """The blocks are placed; a last turn releases the whole program now."""

@@ -90,6 +90,7 @@ _COUNTERS = (
     ("hintflow_released_sessions_total", "Sessions freed by Release (explicit or inferred)."),
     ("hintflow_inferred_pins_total", "Pins the engine inferred for programs without an orchestrator."),
     ("hintflow_inferred_releases_total", "Releases the engine inferred (last turn, silent program)."),
+    ("hintflow_pin_renewals_total", "Inferred pins renewed when they ran out with the pause still on."),
     ("hintflow_admission_holds_total", "Admission checks that held a new program's first turn back."),
 )
 
@@ -112,7 +113,7 @@ class SchedulerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         sched = self.sched
         with sched.hint_lock:
-            sched.book.expire()  # an idle engine does not step: leases must still run out on time
+            sched.expire_pins()  # an idle engine does not step: leases must still run out on time
             book, st = sched.book, sched.book.stats
             inf = getattr(sched, "infer", None)
             admit: dict[str, int] = dict(getattr(sched, "admit_stats", {}))
@@ -141,6 +142,7 @@ class SchedulerCollector(Collector):
                 st.released_sessions,
                 inf.inferred_pins if inf is not None else 0,
                 inf.inferred_releases if inf is not None else 0,
+                st.pin_renewals,
                 admit.pop("held", 0),
             )
         yield from self._families(sched.model_name, gauges + counters, admit)

@@ -99,6 +99,7 @@ class BookStats:
     forced_unpins: int = 0
     released_sessions: int = 0
     yielded_pins: int = 0
+    pin_renewals: int = 0
 
 
 class SessionBook:
@@ -288,11 +289,20 @@ class SessionBook:
         self.stats.forced_unpins += 1
         return True
 
-    def expire(self) -> bool:
-        """Drop leases that ran out (unless the session's next turn is queued); cheap when none is due."""
+    def expire(self, renew: Callable[[VSession], float] | None = None) -> bool:
+        """Drop leases that ran out (unless the session's next turn is queued); cheap when none is due.
+
+        ``renew(s)``: a further lease in seconds for a session whose lease ran out while it still holds
+        blocks (0: let it go), decided on the pause so far (``HintInference.renewal_s``); the held blocks
+        stay held, and the lapse is not counted as an expiry."""
         now = self.clock()
         changed = False
         for s in self.leases.lapsed(now, self.sessions.get, lambda x: x.waiting):
+            ttl_s = renew(s) if renew is not None and s.held and not s.live and not s.released else 0.0
+            if ttl_s > 0.0:
+                self.leases.grant(s, now, ttl_s)  # (pushed after now: this loop does not meet it again)
+                self.stats.pin_renewals += 1
+                continue
             s.pin_deadline_s = None
             self.stats.pin_expiries += 1  # every lease that ran out, held blocks or not (as the embedded node)
             if s.held:
