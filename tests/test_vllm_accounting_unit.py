@@ -168,9 +168,11 @@ def test_the_collector_exports_the_embedded_names_from_the_accounting() -> None:
     acct.on_scheduled(r1, 0, s)
     _finish(acct, r1, s, [7])
     acct.on_scheduled(Req("r2", [*range(300), 1, 2], arrival_time=wall.t - 1.5), 256, s)
+    book = SessionBook(Pool(), 16)
     sched = SimpleNamespace(
         hint_lock=threading.RLock(),
-        book=SessionBook(Pool(), 16),
+        book=book,
+        expire_pins=book.expire,  # (HintSchedulerMixin.expire_pins: the book's expiry, renewing nothing here)
         accounting=acct,
         waiting=[],
         running=[],
