@@ -341,8 +341,17 @@ async def test_a_restarted_node_comes_back_empty_and_gets_no_hint_of_its_earlier
                 return pub.node_epoch not in (0, old_epoch) and pub.num_pending == 0
 
             # 60 s: one push in flight to the dead life may wait out its ack timeout (10 s), then retries back off,
-            # before the queue settles; 15 s and then 30 s each ran out once on the 2-core CI machine under load
-            await until(heard, 60, "the runtime hearing of the new life and settling what it had queued")
+            # before the queue settles. 15 s, 30 s and 60 s each ran out once on the 2-core CI machine: more like a
+            # stuck sender than a slow one (one stuck case, a CancelledError from a call gRPC cancelled under the
+            # push, killed the sender for good; now a failed push), so a failure says where the publisher stood.
+            try:
+                await until(heard, 60, "the runtime hearing of the new life and settling what it had queued")
+            except AssertionError as e:
+                raise AssertionError(
+                    f"{e}; publisher: epoch {pub.node_epoch} (old {old_epoch}), {pub.num_pending} pending, "
+                    f"{pub.num_sent} sent, {pub.num_failures} failed pushes, {pub.num_sender_restarts} sender "
+                    f"restarts, connected {pub.connected}, sender {pub._task!r}"
+                ) from None
             heard_s = time.monotonic() - serving
             # It came back empty.
             st = await a2.state()

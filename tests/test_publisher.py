@@ -262,6 +262,65 @@ async def test_queue_bound_drops_oldest() -> None:
         await pub.close()
 
 
+class _CancelledOnce(_FakeClient):
+    """Raises CancelledError from its first push, as gRPC does from a call cancelled under it (a fake:
+    a real channel does so only in races a test cannot time)."""
+
+    pushes: ClassVar[int] = 0
+
+    async def push_hints(
+        self, hints: Sequence[HintModel], batch_id: int | None = None, node_epoch: int = 0
+    ) -> HintAck:
+        _CancelledOnce.pushes += 1
+        if _CancelledOnce.pushes == 1:
+            raise asyncio.CancelledError
+        return await super().push_hints(hints, batch_id, node_epoch)
+
+
+async def test_a_push_cancelled_under_the_sender_is_a_failed_push_not_its_end() -> None:
+    _FakeClient.down, _FakeClient.received, _CancelledOnce.pushes = False, [], 0
+    pub = HintPublisher(
+        "fake:2", registry=CollectorRegistry(), backoff_initial_s=0.01, backoff_max_s=0.02,
+        client_factory=_CancelledOnce,  # type: ignore[arg-type]
+    )  # fmt: skip
+    try:
+        pub.start()
+        pub.publish([Pin(session_id="s", ttl_s=30.0)])
+        assert await pub.flush(2.0)
+        assert pub.num_failures == 1 and pub.num_sent == 1 and pub.num_sender_restarts == 0
+        assert [h.session_id for h in _FakeClient.received] == ["s"]  # type: ignore[union-attr]
+        task = pub._task
+        assert task is not None and not task.done()
+    finally:
+        await pub.close()
+
+
+async def test_a_sender_that_dies_is_restarted_with_its_batch(caplog: pytest.LogCaptureFixture) -> None:
+    _FakeClient.down, _FakeClient.received = False, []
+    pub = HintPublisher(
+        "fake:3", registry=CollectorRegistry(), backoff_initial_s=0.01, backoff_max_s=0.05,
+        client_factory=_FakeClient,  # type: ignore[arg-type]
+    )  # fmt: skip
+    take = pub._take_batch
+
+    def broken_once() -> Any:  # a bug in the sender's own bookkeeping, once, with the batch in flight
+        take()
+        pub._take_batch = take  # type: ignore[method-assign]
+        raise RuntimeError("bookkeeping bug")
+
+    pub._take_batch = broken_once  # type: ignore[method-assign]
+    try:
+        pub.start()
+        pub.publish([Expect(session_id=f"s{i}", output_tokens=i) for i in range(3)])
+        assert await pub.flush(2.0)
+        assert pub.num_sender_restarts == 1 and pub.num_sent == 3
+        assert [h.session_id for h in _FakeClient.received] == ["s0", "s1", "s2"]  # type: ignore[union-attr]
+        assert "RuntimeError: bookkeeping bug" in caplog.text
+    finally:
+        await pub.close()
+    assert pub._task is None
+
+
 async def test_close_is_idempotent_and_stops_the_task() -> None:
     never_started = HintPublisher(f"127.0.0.1:{free_port()}", registry=CollectorRegistry())
     await never_started.close()

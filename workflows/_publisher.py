@@ -19,7 +19,9 @@ counted in ``num_dropped`` and ``hintflow_hints_dropped_total{reason="queue-full
 
 A node that is down is retried with backoff for as long as it stays down, so the log gets one line per
 change of state (:class:`StreamHealth`: a warning when the stream fails, a line when it is back), and each
-retry goes to DEBUG only.
+retry goes to DEBUG only. A CancelledError out of a push that the sender was not asked for (gRPC raises
+one from a call cancelled under it) is a failed push like any other; a sender task that ends anyway is
+logged as an error and replaced, its batch back in front of the queue.
 
 Metrics, labelled ``node`` (the address): ``hintflow_hint_delivery_seconds`` (publish to ack, per hint),
 ``hintflow_hints_sent_total{code}`` (acked hints by result code), ``hintflow_hint_push_failures_total``,
@@ -151,6 +153,13 @@ class _Item:
     node_epoch: int = 0  # the node's life when it was published (0: not known yet: any)
 
 
+def _being_cancelled() -> bool:
+    """Whether the running task has been asked to stop (``Task.cancel``), as against a CancelledError that
+    a library raised into it from a call cancelled elsewhere."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _aged(hint: HintModel, w: float) -> HintModel | None:
     """``hint`` as it should be sent ``w`` seconds after it was published; None: a pin that has lapsed."""
     if w <= 0:
@@ -174,7 +183,9 @@ class HintPublisher:
     """Queue hints for the node at ``address`` and deliver them from a background task; see the module doc.
 
     Plain counters, for tests and reports: ``num_sent`` (hints acked, any code), ``num_acked_ok`` (acked
-    with code OK), ``num_failures`` (failed batch pushes) and ``num_dropped`` (queue full or lapsed pin).
+    with code OK), ``num_failures`` (failed batch pushes), ``num_dropped`` (queue full or lapsed pin) and
+    ``num_sender_restarts`` (sender tasks that ended while the publisher was open, each logged as an error
+    and replaced after ``backoff_max_s``).
     """
 
     def __init__(
@@ -209,6 +220,7 @@ class HintPublisher:
         self._closed = self._connected = self._warned_full = False
         self.health = StreamHealth(f"hint stream to {address}")
         self.num_sent = self.num_acked_ok = self.num_failures = self.num_dropped = 0
+        self.num_sender_restarts = 0  # sender tasks that ended while the publisher was open (see _sender_ended)
         # The node's life as last heard (an ack, or the runtime's cache-state watch); 0: not yet. Hints are
         # stamped with it, and those stamped with an earlier life are dropped once a new one is heard of.
         self.node_epoch = 0
@@ -234,6 +246,7 @@ class HintPublisher:
         if self._task is None:
             loop = asyncio.get_running_loop()
             self._task = loop.create_task(self._run(), name=f"hint-publisher {self.address}")
+            self._task.add_done_callback(self._sender_ended)
 
     def publish(self, hints: Sequence[HintModel]) -> None:
         """Enqueue ``hints`` (in order) for delivery; never blocks, never waits for the node."""
@@ -359,6 +372,39 @@ class HintPublisher:
                 log.exception("on_ack callback failed")
         self._progress.set()
 
+    async def _push_failed(self, items: list[_Item], error: str, failed: int) -> None:
+        """Put the batch back in front (resent in order, aged afresh; may drop the oldest), count the
+        failure, drop the channel and back off: ``failed`` consecutive failures so far."""
+        self._queue.extendleft(reversed(items))
+        self._inflight = []
+        self._enforce_bound()
+        self.num_failures += 1
+        self._metrics.failures.labels(node=self.address).inc()
+        self._set_connected(False)
+        await self._drop_client()  # a fresh channel connects at once, not after gRPC's own backoff
+        delay = min(self.backoff_max_s, self.backoff_initial_s * 2.0 ** min(failed - 1, 60))
+        delay *= random.uniform(0.5, 1.0)
+        self.health.failed(error, delay)
+        await asyncio.sleep(delay)
+
+    def _sender_ended(self, task: asyncio.Task[None]) -> None:
+        """The sender task ended while the publisher is open (a bug, or a cancellation it did not see
+        coming): say so and start another after ``backoff_max_s``, its batch back in front of the queue.
+        Why: without a sender nothing reaches the node again, and nothing else would notice."""
+        if self._closed or task is not self._task:
+            return
+        exc = None if task.cancelled() else task.exception()
+        log.error("hint sender for %s stopped (%s); starting another in %.1f s", self.address,
+                  "cancelled" if exc is None else describe_error(exc), self.backoff_max_s)
+        self._queue.extendleft(reversed(self._inflight))
+        self._inflight, self._task = [], None
+        self.num_sender_restarts += 1
+        asyncio.get_running_loop().call_later(self.backoff_max_s, self._restart)
+
+    def _restart(self) -> None:
+        if not self._closed and self._task is None:
+            self.start()
+
     async def _run(self) -> None:
         failed = 0  # consecutive failed pushes: 0 while healthy
         while not self._closed:
@@ -374,19 +420,17 @@ class HintPublisher:
                     self._client = self._client_factory(self.address)
                 epoch = items[0].node_epoch
                 ack = await asyncio.wait_for(self._client.push_hints(hints, node_epoch=epoch), self.ack_timeout_s)
-            except Exception as e:  # grpc.aio.AioRpcError, ConnectionError, TimeoutError
-                self._queue.extendleft(reversed(items))  # resent in order, aged afresh; may drop the oldest
-                self._inflight = []
-                self._enforce_bound()
-                self.num_failures += 1
-                self._metrics.failures.labels(node=self.address).inc()
-                self._set_connected(False)
-                await self._drop_client()  # a fresh channel connects at once, not after gRPC's own backoff
+            except asyncio.CancelledError:
+                if self._closed or _being_cancelled():
+                    raise
+                # gRPC raises CancelledError from a call that was cancelled under it, not by us: a failed
+                # push like any other, not the end of the sender (nothing would reach this node again).
                 failed += 1
-                delay = min(self.backoff_max_s, self.backoff_initial_s * 2.0 ** min(failed - 1, 60))
-                delay *= random.uniform(0.5, 1.0)
-                self.health.failed(describe_error(e), delay)
-                await asyncio.sleep(delay)
+                await self._push_failed(items, "CancelledError: the call was cancelled under the push", failed)
+                continue
+            except Exception as e:  # grpc.aio.AioRpcError, ConnectionError, TimeoutError
+                failed += 1
+                await self._push_failed(items, describe_error(e), failed)
                 continue
             self._inflight = []
             self.health.ok()
