@@ -46,7 +46,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from hints import MAX_PROGRAM_AGE_S, EngineClient, EvictionOrder, HintAck, HintModel, Pin, Prefetch, Priority
 
-__all__ = ["NODE_CHANNEL_OPTIONS", "HintPublisher", "StreamHealth", "describe_error", "node_client"]
+__all__ = ["NODE_CHANNEL_OPTIONS", "HintPublisher", "StreamHealth", "being_cancelled", "describe_error", "node_client"]
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class _Item:
     node_epoch: int = 0  # the node's life when it was published (0: not known yet: any)
 
 
-def _being_cancelled() -> bool:
+def being_cancelled() -> bool:
     """Whether the running task has been asked to stop (``Task.cancel``), as against a CancelledError that
     a library raised into it from a call cancelled elsewhere."""
     task = asyncio.current_task()
@@ -421,7 +421,7 @@ class HintPublisher:
                 epoch = items[0].node_epoch
                 ack = await asyncio.wait_for(self._client.push_hints(hints, node_epoch=epoch), self.ack_timeout_s)
             except asyncio.CancelledError:
-                if self._closed or _being_cancelled():
+                if self._closed or being_cancelled():
                     raise
                 # gRPC raises CancelledError from a call that was cancelled under it, not by us: a failed
                 # push like any other, not the end of the sender (nothing would reach this node again).

@@ -82,7 +82,7 @@ from orchestrator import (
 )
 from workflows._api import LLMInput, LLMResult, decode_text
 from workflows._context_moves import ContextMover
-from workflows._publisher import HintPublisher, StreamHealth, describe_error, node_client
+from workflows._publisher import HintPublisher, StreamHealth, being_cancelled, describe_error, node_client
 from workflows._thunder_live import LiveThunder
 
 __all__ = ["EngineUnavailable", "HintRuntime", "InvalidPrompt", "ProgramStats", "turn_client"]
@@ -331,7 +331,9 @@ class HintRuntime:
                                          state.prefill_share, state.unpinned_survival)
                     backoff_s = 0.1
             except asyncio.CancelledError:
-                raise
+                if being_cancelled():
+                    raise
+                error = "CancelledError: the call was cancelled under the stream"  # by gRPC, not us: retry
             except Exception as exc:
                 error = describe_error(exc)
             finally:
