@@ -117,7 +117,6 @@ async def test_node_down_at_start_then_up_ages_and_expires(caplog: pytest.LogCap
     node: RunningNode | None = None
     try:
         pub.start()
-        t0 = time.monotonic()
         pub.publish(
             [
                 Pin(session_id="lapses", ttl_s=0.5),
@@ -127,6 +126,7 @@ async def test_node_down_at_start_then_up_ages_and_expires(caplog: pytest.LogCap
                 EvictionOrder(entries=[]),  # applies on any node: OK
             ]
         )
+        t0 = time.monotonic()  # after publishing: the hints are at least 0.8 s old when the node is up
         core = await asyncio.to_thread(_core, "pub-b")
         await asyncio.sleep(max(0.0, 0.8 - (time.monotonic() - t0)))
         assert not pub.connected and pub.num_failures >= 2 and pub.num_sent == 0
