@@ -13,6 +13,8 @@ hintflow's rules, driven by the stand-in model runner of ``tests/test_vllm_async
   leaves the finished turn's context to pin, and leaks no block;
 - ``reset_prefix_cache`` succeeds with pins (they are dropped) and waits for the hint lock;
 - a valid ``Priority`` hint with a huge age under strict program FCFS does not raise in ``add_request``;
+- the FCFS bound (`HINTFLOW_FCFS_SLACK`) moves a turn ahead of older programs once FCFS would have
+  started it;
 - a session or program id the protocol cannot carry leaves the request to vLLM and never breaks
   ``GetCacheState``;
 - the host tier's connector: one step's saves use distinct host slots, and a chain is evicted tail first.
@@ -325,12 +327,37 @@ def _grace(model: str) -> dict[str, Any]:
     return out
 
 
+def _fcfs_bound(model: str) -> dict[str, Any]:
+    """Strict program FCFS, a budget of one 600-token prefill a step: an old program's first turn (600
+    tokens), a new program's, then two more of the old program's, queued at once. The order in which
+    vLLM first schedules them, without and with the FCFS bound (slack 0), and how many fell due."""
+    from engine_adapter._fcfs_bound import FcfsBound
+
+    out: dict[str, Any] = {}
+    for name, slack in (("off", float("inf")), ("on", 0.0)):
+        sched, request = _sched(model, infer=False)
+        sched.aging_s = float("inf")
+        sched.fcfs_bound = FcfsBound(slack)
+        sched.max_num_scheduled_tokens = 604  # one prefill (and the decodes) a step
+        engine = _Engine(sched, 1)
+        engine.run(_req(request, "warm-up", _prompt(30, 64), "o0", "old", 2))  # the old program started first
+        # (the old program's turns on its first session: without hints a program's start is its session's)
+        queued = [("o1", "o0", "old"), ("n1", "n", "new"), ("o2", "o0", "old"), ("o3", "o0", "old")]
+        for i, (rid, sid, prog) in enumerate(queued):
+            sched.add_request(_req(request, rid, _prompt(40 + i, 600), sid, prog, 2))
+        engine.run()
+        out[name] = {"order": [r for r in engine.hits if r != "warm-up"], "due": sched.fcfs_bound.num_due,
+                     "left": len(sched.fcfs_bound)}  # fmt: skip
+    return out
+
+
 def _report(model: str) -> dict[str, Any]:
     return {
         "grace": _grace(model),
         "preempt": _preemption(model, last_turn=False), "preempt_last": _preemption(model, last_turn=True),
         "abort": _abort_queued_turn(model), "deferred": _deferred_free(model), "reset": _reset_prefix_cache(model),
         "huge_age": _huge_age(model), "bad_ids": _bad_ids(model), "host_tier": _host_tier(model),
+        "fcfs_bound": _fcfs_bound(model),
     }  # fmt: skip
 
 
@@ -439,3 +466,13 @@ def test_one_steps_host_saves_use_distinct_slots_and_a_chain_loses_its_tail_firs
 
 if __name__ == "__main__":
     print(json.dumps(_report(sys.argv[1])))
+
+
+def test_the_fcfs_bound_starts_a_new_programs_turn_once_fcfs_would_have(report: dict[str, Any]) -> None:
+    # Strict program FCFS serves the old program's three turns before the new program's first turn; with
+    # the bound, the new turn goes first once the node has computed the 600 tokens queued ahead of it (by
+    # then the one-prefill budget had started a chunk of o2). Nothing is left tracked once all have run.
+    got = report["fcfs_bound"]
+    assert got["off"] == {"order": ["o1", "o2", "o3", "n1"], "due": 0, "left": 0}, got
+    assert got["on"]["order"].index("n1") < got["on"]["order"].index("o3"), got
+    assert got["on"]["due"] >= 1 and got["on"]["left"] == 0, got

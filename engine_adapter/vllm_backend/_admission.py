@@ -5,7 +5,8 @@ priority queue; the scheduler module wires hintflow into vLLM's step (sessions, 
 logging). A mixin over ``vllm.v1.core.sched.scheduler.Scheduler`` (it calls ``super()`` for vLLM's own
 per-request check) without importing vLLM, so it reads as plain Python.
 
-- ``_promote_overdue``: a request that has waited ``ttft_deadline_s`` goes ahead of every program;
+- ``_promote_overdue``: a request that has waited ``ttft_deadline_s``, or that FCFS would have started by
+  now (``engine_adapter/_fcfs_bound.py``), goes ahead of every program;
 - ``_sync_pinned_band``: a waiting turn whose session holds a pin goes ahead of unpinned ones of its class
   (its memory is reserved for it: serving it turns the pin into progress and frees it), and falls back
   when its pin is dropped while it waits; the embedded scheduler's queue order (``Request.sort_key``);
@@ -23,6 +24,7 @@ import math
 import time
 from typing import Any
 
+from engine_adapter._fcfs_bound import FcfsBound
 from engine_adapter._pin_order import yield_order
 from engine_adapter._program_admission import ADMIT_HORIZON_S, admit_verdict
 
@@ -52,6 +54,7 @@ class QueueRules:
     kv_cache_manager: Any
     policy: Any
     ttft_deadline_s: float
+    fcfs_bound: FcfsBound
     admit_fraction: float
     admit_pool_blocks: int
     admit_max_wait_s: float
@@ -68,22 +71,26 @@ class QueueRules:
     _wall_epoch_s: float
 
     def _promote_overdue(self) -> None:
-        """Requests that have waited ``HINTFLOW_TTFT_DEADLINE_S`` go ahead of every program, oldest first.
+        """Requests that have waited ``HINTFLOW_TTFT_DEADLINE_S``, or that FCFS would have started by now
+        (``HINTFLOW_FCFS_SLACK``, ``FcfsBound``), go ahead of every program, oldest first.
 
-        Why: program FCFS and pins move waiting onto the youngest programs' turns; the deadline bounds
-        that tail (first token no later than the deadline plus service), while below it the program
-        order and the kept contexts decide.
+        Why: program FCFS and pins move waiting onto the youngest programs' turns; the deadline and the
+        bound cap that tail (first token no later than the deadline, or than FCFS's start, plus service),
+        while below them the program order and the kept contexts decide.
         """
+        deadline = math.isfinite(self.ttft_deadline_s)
         if (
-            not math.isfinite(self.ttft_deadline_s)
+            not (deadline or self.fcfs_bound.enabled)
             or getattr(self.policy, "name", "") != "PRIORITY"
             or not self.waiting
         ):
             return
         now = time.time()
+        waiting = [r for r in self.waiting if r.request_id not in self._overdue]
+        due = set(self.fcfs_bound.due([r.request_id for r in waiting])) if self.fcfs_bound.enabled else set()
         late = [
-            r for r in self.waiting
-            if r.request_id not in self._overdue and now - r.arrival_time >= self.ttft_deadline_s
+            r for r in waiting
+            if r.request_id in due or (deadline and now - r.arrival_time >= self.ttft_deadline_s)
         ]  # fmt: skip
         if not late:
             return

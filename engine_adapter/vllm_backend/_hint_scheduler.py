@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import TypeAdapter, ValidationError
 
 from engine_adapter._engine_errors import FailedPrecondition
+from engine_adapter._fcfs_bound import FcfsBound
 from engine_adapter._queue_place import WARM_THRESHOLD_TOKENS, holds_pin, is_warm, queue_place
 from hints import OptionalProgramId, SessionId, new_node_epoch
 from predictors import HostHitShare, PrefillShare, UnpinnedSurvival
@@ -165,7 +166,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
     HINTFLOW_YIELD_PINS (1: pins of younger programs yield to a waiting turn the step could start that memory
     cannot take, in queue order; head: to the queue's head alone; 0: off), HINTFLOW_TTFT_DEADLINE_S
-    (inf: a request waiting this long goes first), HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
+    (inf: a request waiting this long goes first), HINTFLOW_FCFS_SLACK (inf: a request goes first once the
+    node has computed (1 + slack) times the prefill queued ahead of it on arrival: ``_fcfs_bound``),
+    HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
     holds a pin goes ahead of unpinned ones of its class, as on the embedded node), HINTFLOW_PIN_GRACE_S
     (0.5: a session the orchestrator pinned in the last HINTFLOW_INFER_DEFER_S is held this long at each
     turn's end, until its next Pin decision arrives; 0: off)."""
@@ -254,6 +257,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.yield_pins = env_on("HINTFLOW_YIELD_PINS", "1")
         self.yield_pins_to = "head" if yield_setting == "head" else "queue"
         self.ttft_deadline_s = env_float("HINTFLOW_TTFT_DEADLINE_S", math.inf)
+        self.fcfs_bound = FcfsBound(env_float("HINTFLOW_FCFS_SLACK", math.inf))
         self.pinned_first = env_on("HINTFLOW_PINNED_FIRST", "1")
         # warm first: a waiting turn that has at most this many prompt tokens left to compute goes ahead of
         # cold ones of its class (_warm: its context survived the pause; served now, it is not lost)
@@ -304,6 +308,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 self._req_session[request.request_id] = s
                 self._client_priority[request.request_id] = request.priority
                 request.priority = self._safe_priority(s, request.priority, request.request_id, request)
+            if self.fcfs_bound.enabled and request.request_id not in self.requests:
+                self.fcfs_bound.arrived(request.request_id, self._prefill_ahead())
             super().add_request(request)
 
     def _valid_ids(self, session_id: str, program_id: str) -> bool:
@@ -346,14 +352,31 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         left to compute, counting the device's cached prefix and the host tier's run after it (``_warm``)."""
         if not self.warm_first or request.num_computed_tokens or not self.pins_supported:
             return False  # (a waiting request with computed tokens has started: its place is not re-judged)
-        pool, n = self.kv_cache_manager.block_pool, request.num_tokens
+        return is_warm(request.num_tokens, self._cached_tokens(request), int(self.warm_threshold_tokens))
+
+    def _cached_tokens(self, request: Any) -> int:
+        """Prompt tokens a waiting request would find cached, on the device or the host tier (``_warm``)."""
+        if not self.pins_supported:
+            return 0
+        pool = self.kv_cache_manager.block_pool
         index = self.host_tier.index if self.host_tier is not None else None
-        cached = num_cached_tokens(
-            request.block_hashes, n, self.block_size,
+        return num_cached_tokens(
+            request.block_hashes, request.num_tokens, self.block_size,
             lambda h: pool.get_cached_block(h, [0]) is not None,
             index.__contains__ if index is not None else None,
         )  # fmt: skip
-        return is_warm(n, cached, int(self.warm_threshold_tokens))
+
+    def _prefill_ahead(self) -> int:
+        """Prefill tokens FCFS would compute before a request arriving now (``_fcfs_bound``): each waiting
+        request's prompt less what it finds cached (or, once started, less what it computed), and what the
+        running ones have still to prefill."""
+        ahead = 0
+        for r in self.waiting:
+            done = r.num_computed_tokens or self._cached_tokens(r)
+            ahead += max(0, r.num_tokens - done)
+        for r in self.running:
+            ahead += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+        return ahead
 
     def priority_for(
         self, s: VSession, client_priority: int, request_id: str | None = None, *, warm: bool = False
@@ -453,6 +476,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             if self.step_trace is not None:
                 self.step_trace.record(out)
             for new in out.scheduled_new_reqs:
+                self.fcfs_bound.forget(new.req_id)
                 s = self._req_session.get(new.req_id)
                 req = self.requests.get(new.req_id)
                 if req is not None:  # hits: the prefix lookup, before this step's tokens are added
@@ -483,6 +507,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             # An earlier step still computing is progress (async scheduling): its output may free blocks.
             computing = self.steps.computing
             num_decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+            self.fcfs_bound.computed(out.total_num_scheduled_tokens - num_decodes)
             self.steps.scheduled(out, out.total_num_scheduled_tokens, self.book.clock(), num_decodes)
             self.step_times.scheduled(time.perf_counter() - start_s, vllm_s)
             self._log_stats()
@@ -510,6 +535,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # the measured pin price's readings (what the node reports as CacheState.prefill_share and
         # unpinned_survival)
         extra += f" prefill_share={self.prefill_share.fraction():.2f} unpinned_kept={self.unpinned_survival.fraction():.2f}"
+        if self.fcfs_bound.enabled:  # turns the FCFS bound moved to the front
+            extra += f" fcfs_due={self.fcfs_bound.num_due}"
         a = self.admit_stats
         log.info(
             "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d%s"
@@ -555,6 +582,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self._client_priority.pop(request.request_id, None)
         self._req_start.pop(request.request_id, None)
         self._overdue.discard(request.request_id)
+        self.fcfs_bound.forget(request.request_id)
         self._admit_reason.pop(request.request_id, None)  # (aborted before vLLM scheduled it)
         self.accounting.on_finished(request, s)
         if s is None or not self.pins_supported:
