@@ -53,6 +53,7 @@ class SchedulerSettings(_Section):
     warm_first: bool = True
     program_fcfs_aging_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     ttft_deadline_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    fcfs_slack: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     admission_lookahead: int = Field(default=64, ge=1)
     yield_pins_to_older: bool = False
     admit_fraction: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)

@@ -40,6 +40,9 @@ class Request:
     cold: bool = False
     preempted: bool = False
     overdue: bool = False  # waited past the scheduler's TTFT deadline
+    # FCFS would have started it by now (``_fcfs_bound``): sorts as an overdue one, but unlike the
+    # deadline makes no pin give way and passes the admission guard as any turn (the vLLM node's rule)
+    fcfs_due: bool = False
     admit_reason: str | None = None  # why program admission last let this first turn through (not yet counted)
     num_preemptions: int = 0
     finish_reason: str = ""
@@ -85,7 +88,7 @@ class Request:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
     def sort_key(self, aging_s: float | None = None) -> tuple[int, int, int, float, float, int]:
-        if self.overdue:  # after preempted requests, before everything else, by arrival
+        if self.overdue or self.fcfs_due:  # after preempted requests, before everything else, by arrival
             return (0 if self.preempted else 1, -1, -1, self.arrival_s, self.arrival_s, self._seq)
         s = self.session
         prio = self.priority if self.priority is not None else s.priority_class

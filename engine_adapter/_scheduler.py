@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._executor import Clock, ScheduledBatch, ScheduledSeq, StepOutput
+from ._fcfs_bound import FcfsBound
 from ._kv_manager import KVCacheManager
 from ._program_admission import (
     ADMIT_HORIZON_S,
@@ -78,6 +80,9 @@ class SchedulerConfig:
     # A request that has waited this long sorts ahead of pins and program order (oldest first), so the
     # turns program FCFS and pins put last still see a first token within about this bound.  None: off.
     ttft_deadline_s: float | None = None
+    # A waiting turn sorts there too once the node has computed, since it arrived, (1 + slack) times the
+    # prefill queued ahead of it then: FCFS would have started it (``_fcfs_bound``).  None: off.
+    fcfs_slack: float | None = None
     # How deep each admission pass (warm, then cold) looks into the queue for a request of its kind: a
     # warm resume overtakes at most this many queued cold ones.  Why a bound: an overloaded node with
     # thousands queued otherwise re-plans every one of them at every step (a replay of the Mooncake
@@ -115,6 +120,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.on_finish: Callable[[Request], None] | None = None
         self.num_preemptions = 0
+        slack = self.config.fcfs_slack
+        self.fcfs_bound = FcfsBound(math.inf if slack is None else slack)
         # program admission: checks that held a first turn back, and first turns it let in, by why
         # (``hintflow_admission_holds_total``, ``hintflow_admissions_total``)
         self.admit_stats = {"held": 0, "fit": 0, "idle": 0, "aged": 0}
@@ -129,6 +136,8 @@ class Scheduler:
         self.requests[req.request_id] = req
         if req.session.state is SessionState.PARKED:
             self.kv.set_waiting(req.session)
+        if self.fcfs_bound.enabled:
+            self.fcfs_bound.arrived(req.request_id, self.prefill_backlog_tokens())
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:
@@ -152,6 +161,7 @@ class Scheduler:
             return False
         if req.state is RequestState.WAITING:
             self._remove_waiting(req)
+            self.fcfs_bound.forget(req.request_id)
             req._plan_memo.release()
         else:
             self.running.remove(req)
@@ -216,13 +226,19 @@ class Scheduler:
 
     def _mark_overdue(self) -> None:
         deadline = self.config.ttft_deadline_s
-        if deadline is None or not self.waiting:
+        if (deadline is None and not self.fcfs_bound.enabled) or not self.waiting:
             return
         now = self.clock.now()
-        for req in self.waiting:
-            if not req.overdue and req.first_token_s is None and now - req.arrival_s >= deadline:
-                req.overdue = True
-                self._resort = True
+        fresh = [r for r in self.waiting if not r.overdue and r.first_token_s is None]
+        if self.fcfs_bound.enabled:
+            due = set(self.fcfs_bound.due([r.request_id for r in fresh if not r.fcfs_due]))
+            for req in fresh:
+                if req.request_id in due:
+                    req.fcfs_due = self._resort = True
+        if deadline is not None:
+            for req in fresh:
+                if now - req.arrival_s >= deadline:
+                    req.overdue = self._resort = True
 
     def _run(self, step: _Step, req: Request, chunk: int, cold: bool) -> bool:
         """Reserve blocks for ``chunk`` more tokens of a running request (preempting if it must)."""
@@ -242,6 +258,7 @@ class Scheduler:
         )
         step.scheduled.add(req.request_id)
         step.spend(chunk, cold)
+        self.fcfs_bound.computed(min(chunk, len(req.prompt) - req.num_computed))  # prefill only
         if req.first_scheduled_s is None:
             req.first_scheduled_s = self.clock.now()
         return True
@@ -307,6 +324,7 @@ class Scheduler:
                     continue
                 return
             self._remove_waiting(req)
+            self.fcfs_bound.forget(req.request_id)
             req._plan_memo.release()  # out of the queue: no more plans (and off the pool's watch lists)
             if not req.admitted and s.pinned_blocks == 0:  # what the device kept of a context no pin held
                 self.kv.unpinned_survival.observe(req.num_history_tokens, plan.num_cached_tokens)

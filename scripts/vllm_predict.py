@@ -164,7 +164,7 @@ def _mirror(
 
 NODE_ENV = ("HINTFLOW_ADMIT_GUARD", "HINTFLOW_ADMIT_MAX_WAIT_S", "HINTFLOW_ADMIT_FRACTION",
             "HINTFLOW_TTFT_DEADLINE_S", "HINTFLOW_PRIORITY_AGING_S", "HINTFLOW_PIN_BUDGET", "HINTFLOW_WARM_FIRST",
-            "HINTFLOW_WARM_THRESHOLD_TOKENS")
+            "HINTFLOW_WARM_THRESHOLD_TOKENS", "HINTFLOW_FCFS_SLACK")
 """The node settings (``--variant NAME=MODE:env.KEY=V``) the replay's node has an equivalent of."""
 
 
@@ -194,17 +194,22 @@ def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
     deadline = env.get("HINTFLOW_TTFT_DEADLINE_S")
     if deadline is not None and math.isfinite(float(deadline)):
         keys["scheduler.ttft_deadline_s"] = deadline
+    slack = env.get("HINTFLOW_FCFS_SLACK")
+    if slack is not None:
+        keys.pop("scheduler.fcfs_slack", None)
+        if math.isfinite(float(slack)):
+            keys["scheduler.fcfs_slack"] = slack
 
 
 def _variant_mirror(
     name: str, variant: dict[str, Any], host_save: str, pin_budget: float | None, host_guard: bool = True,
-    admit_wait_s: float | None = None, warm_first: bool = True,
+    admit_wait_s: float | None = None, warm_first: bool = True, bound: str = "",
 ) -> str:
     """A ``--variant`` of a real mode (its report's ``config.variants``): the mode's mirror, named apart,
     with the variant's policy options and node settings (``NODE_ENV``) on top of the mirror's own."""
     if variant["mode"].removesuffix("+host") == "vanilla":
         raise SystemExit(f"variant {name}: its mode {variant['mode']} pushes no policy to mirror")
-    spec = _mirror(variant["mode"], host_save, pin_budget, host_guard, admit_wait_s, warm_first)
+    spec = _mirror(variant["mode"], host_save, pin_budget, host_guard, admit_wait_s, warm_first) + bound
     base, _, opts = spec.partition("=")[2].partition(":")
     keys = dict(item.split("=", 1) for item in opts.split(","))
     keys.update((f"policy.{k}", str(v).lower()) for k, v in variant["policy_options"].items())
@@ -310,9 +315,13 @@ def _spec(real: dict[str, Any], mode: str, variants: dict[str, Any], host_save: 
         budget = device_pin_budget
     wait = _admit_wait(real, host)
     warm = real["config"].get("warm_first", False)  # (reports before the rule: its nodes had none)
+    slack = real["config"].get("fcfs_slack")  # (reports before the bound's default: none)
+    base = variants[mode]["mode"] if mode in variants else mode
+    own = base.removesuffix("+host") not in MODE_ENV and base.removesuffix("+host") != "vanilla"
+    bound = f",scheduler.fcfs_slack={slack}" if own and slack is not None and math.isfinite(slack) else ""
     if mode in variants:
-        return _variant_mirror(mode, variants[mode], host_save, budget, host_guard, wait, warm)
-    return _mirror(mode, host_save, budget, host_guard, wait, warm)
+        return _variant_mirror(mode, variants[mode], host_save, budget, host_guard, wait, warm, bound)
+    return _mirror(mode, host_save, budget, host_guard, wait, warm) + bound
 
 
 def _turns(real: dict[str, Any], mode: str, variants: dict[str, Any], a: argparse.Namespace, host_guard: bool) -> None:

@@ -97,6 +97,36 @@ def test_ttft_deadline_puts_an_overdue_request_ahead_of_older_programs() -> None
     assert order_of(5.0) == ["old0", "young", "old1"]  # young waited past 5 s: it goes before old1
 
 
+def test_the_fcfs_bound_puts_a_turn_ahead_once_fcfs_would_have_started_it() -> None:
+    # One request at a time. young arrives with nothing queued ahead of it (old0 already runs), so FCFS
+    # would start it next; old1 arrives after it from an older program. Strict program FCFS starts old1
+    # first; with the bound (slack 0) young is due at once and goes before old1.
+    def order_of(slack: float | None) -> list[str]:
+        core = make_core(max_num_seqs=1, fcfs_slack=slack)
+        rng = random.Random(6)
+        order: list[str] = []
+
+        def note(req: Request, toks: list[int], done: bool) -> None:
+            if done:
+                order.append(req.session.session_id)
+
+        def old_turn(name: str) -> None:
+            core.submit(rand_tokens(rng, 8), 4, session_id=name, program_id=name, on_event=note)
+            core.apply_hints([Priority(session_id=name, program_age_s=100.0)])
+
+        old_turn("old0")
+        core.step()  # old0 runs; the queue is empty
+        core.submit(rand_tokens(rng, 8), 4, session_id="young", program_id="young", on_event=note)
+        old_turn("old1")  # after young, but its program is older
+        core.run_until_idle()
+        core.check_invariants()
+        assert len(core.scheduler.fcfs_bound) == 0  # nothing left tracked
+        return order
+
+    assert order_of(None) == ["old0", "old1", "young"]  # strict program FCFS: young waits behind old1
+    assert order_of(0.0) == ["old0", "young", "old1"]  # FCFS would have started young first
+
+
 def test_pins_give_way_to_an_overdue_request_while_others_run() -> None:
     # 24 blocks x 16 tokens.  A parked, pinned 240-token context holds 15 blocks; a decoding request
     # holds 2 more.  A 200-token cold prompt (13 blocks) that waited past the deadline must not wait for

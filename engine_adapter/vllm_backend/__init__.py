@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         ADMIT_MAX_WAIT_S,
         ADMIT_MAX_WAIT_S_WITH_HOST,
         AGING_S,
+        FCFS_SLACK,
         PIN_BUDGET,
         PIN_BUDGET_WITH_HOST,
     )
@@ -67,6 +68,7 @@ _LAZY: dict[str, str] = {
     "ADMIT_MAX_WAIT_S": "engine_adapter.vllm_backend._hint_scheduler",
     "ADMIT_MAX_WAIT_S_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
     "AGING_S": "engine_adapter.vllm_backend._hint_scheduler",
+    "FCFS_SLACK": "engine_adapter.vllm_backend._hint_scheduler",
     "PIN_BUDGET": "engine_adapter.vllm_backend._hint_scheduler",
     "PIN_BUDGET_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
     "HOST_RELOAD_S_PER_TOKEN": "engine_adapter.vllm_backend._host_index",
@@ -96,6 +98,7 @@ __all__ = [
     "AGING_S",
     "ASYNC_SCHEDULER_CLS",
     "AUTO_SCHEDULER_CLS",
+    "FCFS_SLACK",
     "HOST_RELOAD_S_PER_TOKEN",
     "NODE_SETTINGS",
     "PIN_BUDGET",

@@ -87,7 +87,7 @@ if TYPE_CHECKING:
 else:
     _VllmScheduler = object
 
-__all__ = ["ADMIT_MAX_WAIT_S", "ADMIT_MAX_WAIT_S_WITH_HOST", "AGING_S", "HOST_RELOAD_S_PER_TOKEN", "PIN_BUDGET", "PIN_BUDGET_WITH_HOST",
+__all__ = ["ADMIT_MAX_WAIT_S", "ADMIT_MAX_WAIT_S_WITH_HOST", "AGING_S", "FCFS_SLACK", "HOST_RELOAD_S_PER_TOKEN", "PIN_BUDGET", "PIN_BUDGET_WITH_HOST",
            "PRIORITY_SCALE", "HintSchedulerMixin", "pin_budget"]
 
 log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
@@ -100,6 +100,14 @@ AGING_S = 1.0
 first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
 for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, six pairs on two traces: p99 TTFT
 9-32% lower in five, the same in one; mean JCT within 5% or 13-19% lower (docs/benchmarks.md)."""
+FCFS_SLACK = 1.0
+"""Default slack of the FCFS bound (``HINTFLOW_FCFS_SLACK``, ``engine_adapter/_fcfs_bound.py``): a waiting turn
+goes ahead of every program once the node has computed twice the prefill that was queued ahead of it when
+it arrived. Against no bound, three bracketed sittings on the agent benchmark's trace (docs/benchmarks.md,
+"An FCFS bound on the queue"): p99 TTFT 0.99x, 0.97x stock vLLM's device-only against 1.05x,
+1.02x without it, and 0.82x against 0.93x with a host tier of half the pool; mean JCT 0.51x, 0.52x
+against 0.54x, 0.50x, and 0.66x against 0.67x. Slack 0 (FCFS's own wait) moved 313 turns to the front
+and cost hits (46% against 63%) and JCT (0.60x); slack 2 with the tier: 0.65x, p99 TTFT 0.91x."""
 ADMIT_MAX_WAIT_S = 10.0
 """Default longest hold of program admission on a node without a host tier (``HINTFLOW_ADMIT_MAX_WAIT_S``):
 a new program's first turn waits at most this long, queue time included, while the programs in flight fill
@@ -166,8 +174,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
     HINTFLOW_YIELD_PINS (1: pins of younger programs yield to a waiting turn the step could start that memory
     cannot take, in queue order; head: to the queue's head alone; 0: off), HINTFLOW_TTFT_DEADLINE_S
-    (inf: a request waiting this long goes first), HINTFLOW_FCFS_SLACK (inf: a request goes first once the
-    node has computed (1 + slack) times the prefill queued ahead of it on arrival: ``_fcfs_bound``),
+    (inf: a request waiting this long goes first), HINTFLOW_FCFS_SLACK (FCFS_SLACK; inf: off: a request goes first once
+    the node has computed (1 + slack) times the prefill queued ahead of it on arrival: ``_fcfs_bound``),
     HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
     holds a pin goes ahead of unpinned ones of its class, as on the embedded node), HINTFLOW_PIN_GRACE_S
     (0.5: a session the orchestrator pinned in the last HINTFLOW_INFER_DEFER_S is held this long at each
@@ -257,7 +265,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.yield_pins = env_on("HINTFLOW_YIELD_PINS", "1")
         self.yield_pins_to = "head" if yield_setting == "head" else "queue"
         self.ttft_deadline_s = env_float("HINTFLOW_TTFT_DEADLINE_S", math.inf)
-        self.fcfs_bound = FcfsBound(env_float("HINTFLOW_FCFS_SLACK", math.inf))
+        self.fcfs_bound = FcfsBound(env_float("HINTFLOW_FCFS_SLACK", FCFS_SLACK))
         self.pinned_first = env_on("HINTFLOW_PINNED_FIRST", "1")
         # warm first: a waiting turn that has at most this many prompt tokens left to compute goes ahead of
         # cold ones of its class (_warm: its context survived the pause; served now, it is not lost)
