@@ -348,6 +348,14 @@ def _fcfs_bound(model: str) -> dict[str, Any]:
         engine.run()
         out[name] = {"order": [r for r in engine.hits if r != "warm-up"], "due": sched.fcfs_bound.num_due,
                      "left": len(sched.fcfs_bound)}  # fmt: skip
+    os.environ["HINTFLOW_FCFS_SLACK"] = "-1"
+    try:
+        _sched(model, infer=False)
+        out["negative"] = "started"
+    except ValueError as e:
+        out["negative"] = str(e)
+    finally:
+        del os.environ["HINTFLOW_FCFS_SLACK"]
     return out
 
 
@@ -476,3 +484,4 @@ def test_the_fcfs_bound_starts_a_new_programs_turn_once_fcfs_would_have(report: 
     assert got["off"] == {"order": ["o1", "o2", "o3", "n1"], "due": 0, "left": 0}, got
     assert got["on"]["order"].index("n1") < got["on"]["order"].index("o3"), got
     assert got["on"]["due"] >= 1 and got["on"]["left"] == 0, got
+    assert got["negative"].startswith("HINTFLOW_FCFS_SLACK:") and "-1" in got["negative"], got  # refused at start

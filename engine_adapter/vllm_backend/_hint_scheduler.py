@@ -265,7 +265,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.yield_pins = env_on("HINTFLOW_YIELD_PINS", "1")
         self.yield_pins_to = "head" if yield_setting == "head" else "queue"
         self.ttft_deadline_s = env_float("HINTFLOW_TTFT_DEADLINE_S", math.inf)
-        self.fcfs_bound = FcfsBound(env_float("HINTFLOW_FCFS_SLACK", FCFS_SLACK))
+        try:
+            self.fcfs_bound = FcfsBound(env_float("HINTFLOW_FCFS_SLACK", FCFS_SLACK))
+        except ValueError as e:  # a negative or NaN slack: say which setting, at the node's start
+            raise ValueError(f"HINTFLOW_FCFS_SLACK: {e}") from None
         self.pinned_first = env_on("HINTFLOW_PINNED_FIRST", "1")
         # warm first: a waiting turn that has at most this many prompt tokens left to compute goes ahead of
         # cold ones of its class (_warm: its context survived the pause; served now, it is not lost)
