@@ -5,11 +5,18 @@ TTFT tail is theirs (docs/benchmarks.md, "The TTFT tail"): stock vLLM's FCFS spr
 every turn. A fixed deadline in seconds (``ttft_deadline_s``) bounds that tail only at one load; this bound
 moves with the load. When a turn arrives, the prefill tokens queued ahead of it (the waiting turns' prompts
 less what each finds cached, and what running turns have still to prefill) are what FCFS would compute
-before it. Once the node has computed that many prefill tokens since the turn arrived, times ``1 + slack``,
-FCFS would have started it: it is due, and goes ahead of every program (oldest due first). Below that the
-program order and the kept contexts decide. Counted in tokens, not seconds, so no price is assumed.
+before it, and its own uncached prompt after: FCFS's time to its first token, in tokens. The turn may take
+``1 + slack`` times that: once the node has computed, since the turn arrived, the work ahead plus ``slack``
+times the work ahead and its own, it is due and goes ahead of every program (oldest due first). Below that
+the program order and the kept contexts decide. Counted in tokens, not seconds, so no price is assumed.
+Its own work counts so that a turn arriving at an empty queue still lets a pinned or higher-priority turn
+arriving just after it go first (with the work ahead alone it was due at once, and the queue was FCFS).
 
-The vLLM node keeps one per scheduler (``HINTFLOW_FCFS_SLACK``; inf: off).
+Each scheduler keeps one: the vLLM node's (``HINTFLOW_FCFS_SLACK``, default 1; inf: off) and the embedded
+node's (``SchedulerConfig.fcfs_slack``; None: off, the replay's rows). Measured on the real CPU vLLM node
+(docs/benchmarks.md, "An FCFS bound on the queue"): with slack 1 its p99 TTFT went under stock vLLM's
+device-only (0.97-0.99x, from 1.02-1.05x) at level JCT; in the replay on a GPU's prices the same bound costs
+0-20% of mean JCT, so the replay's hintflow row keeps it off.
 """
 
 from __future__ import annotations
@@ -34,10 +41,12 @@ class FcfsBound:
     def enabled(self) -> bool:
         return math.isfinite(self.slack)
 
-    def arrived(self, request_id: str, num_tokens_ahead: int) -> None:
-        """A turn joined the queue with ``num_tokens_ahead`` prefill tokens queued before it."""
+    def arrived(self, request_id: str, num_tokens_ahead: int, num_own_tokens: int) -> None:
+        """A turn joined the queue with ``num_tokens_ahead`` prefill tokens queued before it and
+        ``num_own_tokens`` of its own prompt to compute."""
         if self.enabled:
-            self._due[request_id] = self.num_computed_tokens + (1.0 + self.slack) * max(0, num_tokens_ahead)
+            ahead, own = max(0, num_tokens_ahead), max(0, num_own_tokens)
+            self._due[request_id] = self.num_computed_tokens + ahead + self.slack * (ahead + own)
 
     def computed(self, num_prefill_tokens: int) -> None:
         """A step computed ``num_prefill_tokens`` of prompt (decode tokens not counted)."""

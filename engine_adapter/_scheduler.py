@@ -137,7 +137,9 @@ class Scheduler:
         if req.session.state is SessionState.PARKED:
             self.kv.set_waiting(req.session)
         if self.fcfs_bound.enabled:
-            self.fcfs_bound.arrived(req.request_id, self.prefill_backlog_tokens())
+            s = req.session
+            own = req.num_tokens - s.num_device_tokens - s.num_host_tokens
+            self.fcfs_bound.arrived(req.request_id, self.prefill_backlog_tokens(), own)
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:

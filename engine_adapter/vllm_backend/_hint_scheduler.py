@@ -320,7 +320,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 self._client_priority[request.request_id] = request.priority
                 request.priority = self._safe_priority(s, request.priority, request.request_id, request)
             if self.fcfs_bound.enabled and request.request_id not in self.requests:
-                self.fcfs_bound.arrived(request.request_id, self._prefill_ahead())
+                own = request.num_tokens - self._cached_tokens(request)
+                self.fcfs_bound.arrived(request.request_id, self._prefill_ahead(), own)
             super().add_request(request)
 
     def _valid_ids(self, session_id: str, program_id: str) -> bool:
