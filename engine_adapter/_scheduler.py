@@ -80,8 +80,8 @@ class SchedulerConfig:
     # A request that has waited this long sorts ahead of pins and program order (oldest first), so the
     # turns program FCFS and pins put last still see a first token within about this bound.  None: off.
     ttft_deadline_s: float | None = None
-    # A waiting turn sorts there too once the node has computed, since it arrived, (1 + slack) times the
-    # prefill queued ahead of it then: FCFS would have started it (``_fcfs_bound``).  None: off.
+    # A waiting turn sorts there too once its first token is due at 1 + slack times FCFS's, counted in the
+    # prefill computed since it arrived (``_fcfs_bound``).  None: off.
     fcfs_slack: float | None = None
     # How deep each admission pass (warm, then cold) looks into the queue for a request of its kind: a
     # warm resume overtakes at most this many queued cold ones.  Why a bound: an overloaded node with

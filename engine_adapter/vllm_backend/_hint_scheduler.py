@@ -102,8 +102,8 @@ for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, six pairs 
 9-32% lower in five, the same in one; mean JCT within 5% or 13-19% lower (docs/benchmarks.md)."""
 FCFS_SLACK = 1.0
 """Default slack of the FCFS bound (``HINTFLOW_FCFS_SLACK``, ``engine_adapter/_fcfs_bound.py``): a waiting turn
-goes ahead of every program once the node has computed twice the prefill that was queued ahead of it when
-it arrived. Against no bound, three bracketed sittings on the agent benchmark's trace (docs/benchmarks.md,
+goes ahead of every program once the node has computed the prefill queued ahead of it when it arrived plus as
+much again and its own prompt (its first token at most twice FCFS's, in tokens). Against no bound, three bracketed sittings on the agent benchmark's trace (docs/benchmarks.md,
 "An FCFS bound on the queue"): p99 TTFT 0.99x, 0.97x stock vLLM's device-only against 1.05x,
 1.02x without it, and 0.82x against 0.93x with a host tier of half the pool; mean JCT 0.51x, 0.52x
 against 0.54x, 0.50x, and 0.66x against 0.67x. Slack 0 (FCFS's own wait) moved 313 turns to the front
@@ -175,7 +175,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     HINTFLOW_YIELD_PINS (1: pins of younger programs yield to a waiting turn the step could start that memory
     cannot take, in queue order; head: to the queue's head alone; 0: off), HINTFLOW_TTFT_DEADLINE_S
     (inf: a request waiting this long goes first), HINTFLOW_FCFS_SLACK (FCFS_SLACK; inf: off: a request goes first once
-    the node has computed (1 + slack) times the prefill queued ahead of it on arrival: ``_fcfs_bound``),
+    its first token is due at 1 + slack times FCFS's, counted in prefill tokens: ``_fcfs_bound``),
     HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
     holds a pin goes ahead of unpinned ones of its class, as on the embedded node), HINTFLOW_PIN_GRACE_S
     (0.5: a session the orchestrator pinned in the last HINTFLOW_INFER_DEFER_S is held this long at each
