@@ -12,11 +12,11 @@ the program order and the kept contexts decide. Counted in tokens, not seconds, 
 Its own work counts so that a turn arriving at an empty queue still lets a pinned or higher-priority turn
 arriving just after it go first (with the work ahead alone it was due at once, and the queue was FCFS).
 
-Each scheduler keeps one: the vLLM node's (``HINTFLOW_FCFS_SLACK``, default 1; inf: off) and the embedded
-node's (``SchedulerConfig.fcfs_slack``; None: off, the replay's rows). Measured on the real CPU vLLM node
-(docs/benchmarks.md, "An FCFS bound on the queue"): with slack 1 its p99 TTFT went under stock vLLM's
-device-only (0.97-0.99x, from 1.02-1.05x) at level JCT; in the replay on a GPU's prices the same bound costs
-0-20% of mean JCT, so the replay's hintflow row keeps it off.
+Each scheduler keeps one: the vLLM node's (``HINTFLOW_FCFS_SLACK``; inf, the default: off) and the embedded
+node's (``SchedulerConfig.fcfs_slack``; None: off). Measured on the real CPU vLLM node (docs/benchmarks.md,
+"An FCFS bound on the queue"): with slack 1 the p99 TTFT moved -6%, -5% and +8% in three device-only sittings
+and the JCT -6%, +4% and +10%: not shown to pay, so off by default. In the replay on a GPU's prices it costs
+0-20% of mean JCT.
 """
 
 from __future__ import annotations

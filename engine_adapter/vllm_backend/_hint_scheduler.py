@@ -100,14 +100,13 @@ AGING_S = 1.0
 first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
 for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, six pairs on two traces: p99 TTFT
 9-32% lower in five, the same in one; mean JCT within 5% or 13-19% lower (docs/benchmarks.md)."""
-FCFS_SLACK = 1.0
-"""Default slack of the FCFS bound (``HINTFLOW_FCFS_SLACK``, ``engine_adapter/_fcfs_bound.py``): a waiting turn
-goes ahead of every program once the node has computed the prefill queued ahead of it when it arrived plus as
-much again and its own prompt (its first token at most twice FCFS's, in tokens). Against no bound, three bracketed sittings on the agent benchmark's trace (docs/benchmarks.md,
-"An FCFS bound on the queue"): p99 TTFT 0.99x, 0.97x stock vLLM's device-only against 1.05x,
-1.02x without it, and 0.82x against 0.93x with a host tier of half the pool; mean JCT 0.51x, 0.52x
-against 0.54x, 0.50x, and 0.66x against 0.67x. Slack 0 (FCFS's own wait) moved 313 turns to the front
-and cost hits (46% against 63%) and JCT (0.60x); slack 2 with the tier: 0.65x, p99 TTFT 0.91x."""
+FCFS_SLACK = math.inf
+"""Default slack of the FCFS bound (``HINTFLOW_FCFS_SLACK``, ``engine_adapter/_fcfs_bound.py``): off. With slack
+1 (a first token at most twice FCFS's, in prefill tokens) four bracketed sittings on the agent benchmark's
+trace were mixed (docs/benchmarks.md, "An FCFS bound on the queue"): device-only p99 TTFT 0.99x and 0.97x
+stock's against 1.05x and 1.02x without it, at level JCT, in two; 1.06x against 0.98x, mean JCT 0.56x
+against 0.51x, in the third (the rule as it is since b546059, once); with a short host tier 0.82x against
+0.93x. Slack 0 cost a quarter of the hits. Not shown to pay, so not on by default."""
 ADMIT_MAX_WAIT_S = 10.0
 """Default longest hold of program admission on a node without a host tier (``HINTFLOW_ADMIT_MAX_WAIT_S``):
 a new program's first turn waits at most this long, queue time included, while the programs in flight fill
@@ -174,7 +173,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
     HINTFLOW_YIELD_PINS (1: pins of younger programs yield to a waiting turn the step could start that memory
     cannot take, in queue order; head: to the queue's head alone; 0: off), HINTFLOW_TTFT_DEADLINE_S
-    (inf: a request waiting this long goes first), HINTFLOW_FCFS_SLACK (FCFS_SLACK; inf: off: a request goes first once
+    (inf: a request waiting this long goes first), HINTFLOW_FCFS_SLACK (FCFS_SLACK, inf: off; a request goes first once
     its first token is due at 1 + slack times FCFS's, counted in prefill tokens: ``_fcfs_bound``),
     HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
     holds a pin goes ahead of unpinned ones of its class, as on the embedded node), HINTFLOW_PIN_GRACE_S
