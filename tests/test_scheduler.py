@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -70,21 +71,31 @@ def test_program_fcfs_priority_orders_the_queue() -> None:
     assert order == ["old", "young"]  # the older program first although it arrived second
 
 
+class _Turns:
+    """One request at a time; turns of 8 tokens, each its own program, in the order they finish."""
+
+    def __init__(self, **sched: Any) -> None:
+        self.core = make_core(max_num_seqs=1, **sched)
+        self.rng = random.Random(6)
+        self.order: list[str] = []
+
+    def _note(self, req: Request, toks: list[int], done: bool) -> None:
+        if done:
+            self.order.append(req.session.session_id)
+
+    def young(self) -> None:
+        self.core.submit(rand_tokens(self.rng, 8), 4, session_id="young", program_id="young", on_event=self._note)
+
+    def old(self, name: str) -> None:  # a turn of a program that started 100 s ago
+        self.core.submit(rand_tokens(self.rng, 8), 4, session_id=name, program_id=name, on_event=self._note)
+        self.core.apply_hints([Priority(session_id=name, program_age_s=100.0)])
+
+
 def test_ttft_deadline_puts_an_overdue_request_ahead_of_older_programs() -> None:
     def order_of(deadline_s: float | None) -> list[str]:
-        core = make_core(max_num_seqs=1, ttft_deadline_s=deadline_s)
-        rng = random.Random(6)
-        order: list[str] = []
-
-        def note(req: Request, toks: list[int], done: bool) -> None:
-            if done:
-                order.append(req.session.session_id)
-
-        def old_turn(name: str) -> None:
-            core.submit(rand_tokens(rng, 8), 4, session_id=name, program_id=name, on_event=note)
-            core.apply_hints([Priority(session_id=name, program_age_s=100.0)])
-
-        core.submit(rand_tokens(rng, 8), 4, session_id="young", program_id="young", on_event=note)
+        t = _Turns(ttft_deadline_s=deadline_s)
+        core, old_turn, order = t.core, t.old, t.order
+        t.young()
         old_turn("old0")
         core.step()  # old0 (the older program) runs first; young waits
         assert isinstance(core.clock, VirtualClock)
@@ -102,21 +113,11 @@ def test_the_fcfs_bound_puts_a_turn_ahead_once_fcfs_would_have_started_it() -> N
     # would start it next; old1 arrives after it from an older program. Strict program FCFS starts old1
     # first; with the bound (slack 0) young is due at once and goes before old1.
     def order_of(slack: float | None) -> list[str]:
-        core = make_core(max_num_seqs=1, fcfs_slack=slack)
-        rng = random.Random(6)
-        order: list[str] = []
-
-        def note(req: Request, toks: list[int], done: bool) -> None:
-            if done:
-                order.append(req.session.session_id)
-
-        def old_turn(name: str) -> None:
-            core.submit(rand_tokens(rng, 8), 4, session_id=name, program_id=name, on_event=note)
-            core.apply_hints([Priority(session_id=name, program_age_s=100.0)])
-
+        t = _Turns(fcfs_slack=slack)
+        core, old_turn, order = t.core, t.old, t.order
         old_turn("old0")
         core.step()  # old0 runs; the queue is empty
-        core.submit(rand_tokens(rng, 8), 4, session_id="young", program_id="young", on_event=note)
+        t.young()
         old_turn("old1")  # after young, but its program is older
         core.run_until_idle()
         core.check_invariants()
