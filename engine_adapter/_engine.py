@@ -79,6 +79,7 @@ class EngineCore:
         retain_contexts: bool = True,
         host_write_through: bool = False,
         evict_queued: bool = False,
+        host_lru: bool = False,
         node_id: str = "",
         model_name: str = "hintflow-tiny",
         pace_modeled: bool = False,
@@ -99,6 +100,7 @@ class EngineCore:
             retain_contexts=retain_contexts,
             host_write_through=host_write_through,
             evict_queued=evict_queued,
+            host_lru=host_lru,
         )
         self.scheduler = Scheduler(self.kv, self.clock, scheduler_config)
         self.scheduler.on_finish = self._on_finish

@@ -76,6 +76,7 @@ class SessionTable:
         retain_contexts: bool = True,
         host_write_through: bool = False,
         evict_queued: bool = False,
+        host_lru: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -91,7 +92,11 @@ class SessionTable:
         # copied to the host as they are computed, and the host drops least recently used chains first
         # whatever the hints say; False (ours) copies a block out only when the device evicts it.
         self.host_write_through = host_write_through and num_host_blocks > 0
-        self._host_policy = get_eviction_policy("lru") if self.host_write_through else self.policy
+        # True (``host_lru``) models how the vLLM node's connector drops what the device evicted: by when it
+        # was saved or loaded, least recent first, whatever the hints say (``HostIndex``); write-through
+        # does so too. False (ours) drops in the device's order (``policy``: the hinted one).
+        lru = self.host_write_through or host_lru
+        self._host_policy = get_eviction_policy("lru") if lru else self.policy
         # True models vLLM's prefix cache: a queued turn holds no blocks, so its context stays in the
         # eviction order where its last turn left it (parked and queued contexts alike); False (ours)
         # evicts a queued turn's context only when no parked one is left (``allocate_device``).

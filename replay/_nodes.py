@@ -284,6 +284,7 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
         engine = EngineCore(executor, clock=clock, scheduler_config=sched, eviction_policy=config.eviction_policy,
                             retain_contexts=config.retain_contexts, pin_budget_fraction=config.pin_budget,
                             host_write_through=config.host_write_through, evict_queued=config.evict_queued,
+                            host_lru=config.host_lru,
                             node_id=f"node-{i}")
         node = SimNode(f"node-{i}", engine, cm, measured=spec.executor == "torch", fast_forward=spec.fast_forward)
 

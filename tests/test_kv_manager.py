@@ -260,6 +260,23 @@ def test_host_hit_share_counts_what_the_host_tier_lost() -> None:
     assert kv.host_hits.fraction() == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("host_lru", [False, True])
+def test_host_tier_drops_in_the_hinted_order_or_least_recently_used_first(host_lru: bool) -> None:
+    """Filled on eviction, the host drops the context needed furthest ahead; with ``host_lru`` (the vLLM
+    node's connector) the least recently used one, whatever the hints say."""
+    kv, clock = make_kv(12, host=8, host_lru=host_lru)
+    a = park_context(kv, "a", toks(0, 16))
+    clock.advance(1.0)
+    b = park_context(kv, "b", toks(100, 16))
+    clock.advance(1.0)
+    c = park_context(kv, "c", toks(200, 16))
+    kv.set_next_use(a, 0.5)  # a returns in half a second; b has been idle longest of the unhinted
+    assert take(kv, 12)  # every context leaves the device; the host holds two of the three
+    kept = {s.session_id for s in (a, b, c) if len(s.host_block_ids) == 4}
+    assert kept == ({"b", "c"} if host_lru else {"a", "c"})
+    kv.check_invariants()
+
+
 def test_write_through_saves_each_turn_and_an_eviction_copies_nothing() -> None:
     """vLLM's connectors, as the replay models them: copies as turns end, none on eviction, and the host
     keeps what it loads."""

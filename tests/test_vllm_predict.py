@@ -37,3 +37,15 @@ def test_a_scaled_profile_scales_every_step_price_and_nothing_else(tmp_path: Pat
     for key, value in before.items():
         assert after[key] == (pytest.approx(value * 1.02) if key in vp.STEP_PRICES else value), key
     assert {"copy_per_block_s", "decode_base_s", "prefill_b_s_per_token"} <= set(vp.STEP_PRICES)
+
+
+@pytest.mark.parametrize("mode", ["kvflow+host", "hintflow-infer+host", "continuum+host", "vanilla+host"])
+def test_a_host_modes_mirror_drops_host_blocks_as_the_vllm_connector_does(mode: str) -> None:
+    """The connector drops least recently saved or loaded blocks first, whatever the hints say: a mirror
+    with the hinted host order replayed kvflow's real short-host node at twice its hits."""
+    from replay import parse_variant
+
+    vp = load_script("vllm_predict")
+    config = parse_variant(vp._mirror(mode), [])
+    assert config.host_tier
+    assert config.host_lru or config.eviction_policy == "lru"  # stock's mirror is LRU on both tiers
