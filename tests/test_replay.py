@@ -375,6 +375,23 @@ def test_bound_pins_a_paused_context_exactly_until_it_returns() -> None:
     assert seen and not bound._returns
 
 
+@pytest.mark.parametrize(("num_programs", "kept"), [(12, "guard"), (20, "none")])
+def test_the_bound_keeps_the_better_of_its_two_admission_choices(num_programs: int, kept: str) -> None:
+    """``bound`` is replayed without program admission and with the vLLM node's guard; the row is the run
+    with the lower mean JCT, and says which it was (here each choice wins once)."""
+    from replay import parse_variant, report_json
+
+    configs = [get_replay_config("bound"), parse_variant("b0=bound:admission_choice=false"),
+               parse_variant("b1=bound:admission_choice=false,scheduler.admit_fraction=1.0,"
+                             "scheduler.admit_max_wait_s=10")]  # fmt: skip
+    setup = _setup(kv_capacity_tokens=3072, host_capacity_tokens=0)
+    resolved, results = run_replay(setup, configs, programs=_tiny(num_programs))
+    pols = report_json(resolved, results)["policies"]
+    none, guard = pols["b0"]["jct_mean_s"], pols["b1"]["jct_mean_s"]
+    assert pols["bound"]["jct_mean_s"] == pytest.approx(min(none, guard))
+    assert pols["bound"]["admission"] == kept == ("guard" if guard < none else "none")
+
+
 def test_bound_note_names_the_online_rows_that_beat_the_bound() -> None:
     from replay import bound_note
 
