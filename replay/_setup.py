@@ -296,7 +296,7 @@ def _replay_one(progs: Sequence[Program], config: ReplayConfig, spec: NodeSpec, 
                         progress=progress).run()
     if not config.admission_choice:
         return result
-    guarded = replace(config, admission_choice=False, scheduler_options=(*_GUARD, *config.scheduler_options))
+    guarded = replace(config, admission_choice=False, scheduler_options=(*_guard(), *config.scheduler_options))
     other = Simulation(progs, guarded, spec, num_nodes=num_nodes, seed=seed, tick_s=tick_s).run()
     if _mean_jct_s(other) < _mean_jct_s(result):  # the row keeps its own name and options
         return replace(other, config=config, extra={**other.extra, "admission": "guard"})
@@ -304,14 +304,12 @@ def _replay_one(progs: Sequence[Program], config: ReplayConfig, spec: NodeSpec, 
 
 
 def _guard() -> tuple[tuple[str, Any], ...]:
+    """The vLLM node's program admission (its device-only default), the other choice of an ``admission_choice``
+    row: a variant's own scheduler options come after it and win. Imported here, not at the top: the vLLM
+    backend's package loads torch, which a replay without such a row need not wait for."""
     from engine_adapter.vllm_backend import ADMIT_MAX_WAIT_S  # (no vLLM import: the node's constants)
 
     return (("admit_fraction", 1.0), ("admit_max_wait_s", ADMIT_MAX_WAIT_S))
-
-
-_GUARD = _guard()
-"""The vLLM node's program admission (its device-only default), the other choice of an ``admission_choice``
-row: a variant's own scheduler options come after it and win."""
 
 
 def _mean_jct_s(result: SimResult) -> float:
