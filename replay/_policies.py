@@ -203,7 +203,8 @@ REPLAY_CONFIGS: dict[str, ReplayConfig] = {
             policy_options=(("queue_delay", True), ("measured_price", False)),
             description="analysis, not a policy: hintflow on the same memory, with every tool pause known "
                         "from the trace (the paused context needed furthest ahead is evicted first: Belady "
-                        "over sessions; pins held exactly to the return or not at all; reloads timed to it)",
+                        "over sessions; pins held exactly to the return or not at all; reloads timed to it; "
+                        "with or without program admission, whichever gives the lower mean JCT)",
         ),
         ReplayConfig(
             "oracle", "hintflow", "session", retain_contexts=True, eviction_policy="hinted",
