@@ -24,7 +24,12 @@ Both engines ask :func:`admit_verdict`; each counts its in-flight programs from 
 (:func:`working_set` for the embedded node, ``vllm_backend/_admission.py`` for vLLM) by the same rule:
 a program is in flight while one of its sessions that has started here is running, queued, pinned, or was
 used within ``horizon_s`` (its tool is probably still running; it will want its context back), and it
-counts that session's whole context (a live turn's whole request), not what is still resident.
+counts that session's whole context (a live turn's whole request), not what is still resident. Only a
+program's first turn on a node is held: a new session of a program the node has started and not seen
+released (a sub-agent, a session moved here) goes on as any other turn. Until the commit after ed41196 the
+embedded node held such a session when none of its program's sessions was in flight; on multi-agent (seed
+0, device-only, the guard at 10 s) it let 834 sessions through as new programs for 300 programs, and the
+vLLM node's rule brought the guarded mean JCT from 102.72 to 98.15 s (docs/benchmarks.md, "What a hold buys").
 
 Why the host tier counts: with every context fitting on the host, a guard against the device pool alone
 held new programs for nothing (1.01x against 0.94x stock's mean JCT with the guard off, real vLLM node);
@@ -80,23 +85,29 @@ def admit_verdict(
 @dataclass(frozen=True)
 class InFlight:
     num_blocks: int
-    programs: frozenset[str]
+    programs: frozenset[str]  # counted in ``num_blocks``
+    started: frozenset[str] = frozenset()  # every program with a session started here and not released
 
 
 def working_set(
     sessions: Iterable[Session], now: float, horizon_s: float, block_size: int, live: Mapping[Session, int]
 ) -> InFlight:
     """The embedded node's in-flight programs and the device blocks their whole contexts take; ``live``:
-    each running or queued turn's full length (its context once the turn is done), as vLLM's rule counts."""
+    each running or queued turn's full length (its context once the turn is done), as vLLM's rule counts.
+    ``started``: the programs this node has started and not seen released, in flight or not; a new session
+    of one of them (a sub-agent, a session the router moved here) is not a new program, as on the vLLM node
+    (``vllm_backend/_admission.py``, ``_started``)."""
     num_blocks = 0
     programs: set[str] = set()
+    started: set[str] = set()
     for s in sessions:
         if s.program_start_s is None or s.released:
             continue  # not a hinted program's session (a plain request), or its program ended
         if not s.token_ids and s.state is not SessionState.RUNNING:
             continue  # a first turn still queued (or a Priority's record): not started here yet
+        started.add(s.program_id)
         if s.state is SessionState.PARKED and s.pin_deadline_s is None and now - s.last_used_s >= horizon_s:
             continue
         programs.add(s.program_id)
         num_blocks += -(-max(len(s.token_ids), live.get(s, 0)) // block_size)
-    return InFlight(num_blocks, frozenset(programs))
+    return InFlight(num_blocks, frozenset(programs), frozenset(started))

@@ -362,7 +362,7 @@ class Scheduler:
                 self.kv.sessions.values(), now, self.config.admit_horizon_s, self.kv.block_size, live
             )
         cur = step.in_flight
-        if s.program_id in cur.programs:
+        if s.program_id in cur.started:
             return False
         need = -(-num_tokens // self.kv.block_size)
         why = admit_verdict(
@@ -375,7 +375,9 @@ class Scheduler:
             self.admit_stats["held"] += 1
             return True
         req.admit_reason = why  # counted once it is admitted (memory may still keep it waiting)
-        step.in_flight = InFlight(cur.num_blocks + need, cur.programs | {s.program_id})
+        step.in_flight = InFlight(
+            cur.num_blocks + need, cur.programs | {s.program_id}, cur.started | {s.program_id}
+        )
         return False
 
     def _preemption_victim(self, exclude: set[str]) -> Request | None:

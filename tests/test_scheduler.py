@@ -529,6 +529,33 @@ def test_program_admission_is_work_conserving_and_forgets_idle_programs() -> Non
     core.check_invariants()
 
 
+def test_program_admission_holds_only_a_programs_first_turn_on_the_node() -> None:
+    # "pa" ran here and has been idle past the horizon (not in flight); "pb" then ran (13 blocks, in
+    # flight).  Beside a decode, a new session of "pa" (a sub-agent) goes at once although 13 + 13 > 24
+    # blocks, while a first turn of the new program "pc" of the same size waits: only a program's start is
+    # held, as on the vLLM node (a program it has started and not seen released is not new).
+    core, rng = _admission_node(1.0)
+    clock = core.clock
+    assert isinstance(clock, VirtualClock)
+    clock.advance_to(clock.now() + 6.0)
+    assert core.apply_hints([Priority(session_id="b", program_id="pb", program_age_s=0.0)])[0].ok
+    core.submit(rand_tokens(rng, 200), 1, session_id="b", program_id="pb")
+    core.run_until_idle()
+    core.submit(rand_tokens(rng, 20), 100, session_id="plain", program_id="plain")
+    core.step()
+    assert core.apply_hints([Priority(session_id="a2", program_id="pa", program_age_s=6.0)])[0].ok
+    assert core.apply_hints([Priority(session_id="c", program_id="pc", program_age_s=0.0)])[0].ok
+    sub = core.submit(rand_tokens(rng, 200), 1, session_id="a2", program_id="pa")
+    c = core.submit(rand_tokens(rng, 200), 1, session_id="c", program_id="pc")
+    for _ in range(3):
+        core.step()
+    assert sub.first_token_s is not None
+    assert c.first_token_s is None
+    assert core.scheduler.admit_stats["held"] >= 3
+    core.run_until_idle()
+    core.check_invariants()
+
+
 @pytest.mark.parametrize("resumes_are_warm", [False, True])
 def test_a_resume_that_recomputes_is_capped_as_cold_unless_resumes_are_warm(resumes_are_warm: bool) -> None:
     # Session "a" ran a 40-token turn; a 1,000-token plain prompt then took its blocks.  Its next turn
