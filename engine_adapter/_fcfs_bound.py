@@ -12,11 +12,12 @@ the program order and the kept contexts decide. Counted in tokens, not seconds, 
 Its own work counts so that a turn arriving at an empty queue still lets a pinned or higher-priority turn
 arriving just after it go first (with the work ahead alone it was due at once, and the queue was FCFS).
 
-Each scheduler keeps one: the vLLM node's (``HINTFLOW_FCFS_SLACK``; inf, the default: off) and the embedded
-node's (``SchedulerConfig.fcfs_slack``; None: off). Measured on the real CPU vLLM node (docs/benchmarks.md,
-"An FCFS bound on the queue"): with slack 1 the p99 TTFT moved -6%, -5% and +8% in three device-only sittings
-and the JCT -6%, +4% and +10%: not shown to pay, so off by default. In the replay on a GPU's prices it costs
-0-20% of mean JCT.
+Each scheduler keeps one: the vLLM node's (``HINTFLOW_FCFS_SLACK``; 0.5 by default without a host tier, off
+with one) and the embedded node's (``SchedulerConfig.fcfs_slack``; None: off). Measured on the real CPU vLLM
+node (docs/benchmarks.md, "An FCFS bound on the queue"): device-only, slack 0.5 lowered the mean JCT 5-8%
+and the p99 TTFT 1-9% in three paired runs; with the short host tier it lost both (mean +3-6%, p99 TTFT
++7-16%, two pairs); slack 1 was mixed at both. In the replay on a GPU's prices it costs 0-20% of mean JCT,
+so the replay's ``hintflow`` row runs without it.
 """
 
 from __future__ import annotations

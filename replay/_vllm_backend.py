@@ -210,6 +210,7 @@ def run_vllm_replay(
         ADMIT_MAX_WAIT_S,
         ADMIT_MAX_WAIT_S_WITH_HOST,
         FCFS_SLACK,
+        FCFS_SLACK_WITH_HOST,
         find_vllm_python,
     )
     from replay._readers import read_workload
@@ -277,6 +278,7 @@ def run_vllm_replay(
         "admit_max_wait_s_host": ADMIT_MAX_WAIT_S_WITH_HOST,  # and with one
         "warm_first": True,  # hintflow's own nodes ran the warm-first rule (HINTFLOW_WARM_FIRST; the mirror reads it)
         "fcfs_slack": FCFS_SLACK if math.isfinite(FCFS_SLACK) else None,  # the FCFS bound (None: off; the mirror reads it)
+        "fcfs_slack_host": FCFS_SLACK_WITH_HOST if math.isfinite(FCFS_SLACK_WITH_HOST) else None,  # and with the tier
         "host_capacity_tokens": host_tokens if any(m.endswith("+host") for m in modes) else None, "model": str(model_dir), "vllm_python": python,
         "state_dir": str(state), "policies": modes, "rounds": rounds, "bracket": bracket,
     }  # fmt: skip

@@ -317,7 +317,8 @@ def _spec(real: dict[str, Any], mode: str, variants: dict[str, Any], host_save: 
         budget = device_pin_budget
     wait = _admit_wait(real, host)
     warm = real["config"].get("warm_first", False)  # (reports before the rule: its nodes had none)
-    slack = real["config"].get("fcfs_slack")  # (reports before the bound's default: none)
+    # (reports before the bound's default: none; before its own default with the tier, fcfs_slack was both)
+    slack = real["config"].get("fcfs_slack_host" if host and "fcfs_slack_host" in real["config"] else "fcfs_slack")
     base = variants[mode]["mode"] if mode in variants else mode
     own = base.removesuffix("+host") not in MODE_ENV and base.removesuffix("+host") != "vanilla"
     bound = f",scheduler.fcfs_slack={slack}" if own and slack is not None and math.isfinite(slack) else ""

@@ -150,6 +150,7 @@ def _pin_and_flood(model: str, depth: int) -> dict[str, Any]:
         "class": type(sched).__name__, "pinned": pinned, "hit_a": engine.hits[ra.request_id],
         "hit_b": engine.hits[rb.request_id], "admitted_fit": sched.admit_stats["fit"],
         "admit_max_wait_s": sched.admit_max_wait_s, "host_tier": sched.host_tier is not None,
+        "fcfs_slack": sched.fcfs_bound.slack,
     }  # fmt: skip
     for i in range(3):
         engine.run(request(_prompt(20 + i, 6 * BS + 2), f"g{i}"))
@@ -264,13 +265,16 @@ def test_the_auto_class_builds_the_one_that_matches_the_engine(report: dict[str,
 
 def test_a_node_without_a_host_tier_holds_new_programs_for_its_own_default(report: dict[str, Any]) -> None:
     """Program admission's longest hold: ADMIT_MAX_WAIT_S on a node without a host tier (not the aging
-    bound, nor the host tier's ADMIT_MAX_WAIT_S_WITH_HOST), whatever the scheduler class."""
-    from engine_adapter.vllm_backend import ADMIT_MAX_WAIT_S, AGING_S
+    bound, nor the host tier's ADMIT_MAX_WAIT_S_WITH_HOST), whatever the scheduler class; and the FCFS
+    bound's slack is its device-only default (FCFS_SLACK, not the host tier's FCFS_SLACK_WITH_HOST)."""
+    from engine_adapter.vllm_backend import ADMIT_MAX_WAIT_S, AGING_S, FCFS_SLACK, FCFS_SLACK_WITH_HOST
 
     assert ADMIT_MAX_WAIT_S != AGING_S
+    assert FCFS_SLACK != FCFS_SLACK_WITH_HOST
     for mode in ("async", "sync"):
         assert report[mode]["host_tier"] is False
         assert report[mode]["admit_max_wait_s"] == ADMIT_MAX_WAIT_S
+        assert report[mode]["fcfs_slack"] == FCFS_SLACK
 
 
 def test_a_warm_resume_goes_ahead_of_an_older_programs_cold_turn(report: dict[str, Any]) -> None:

@@ -124,6 +124,7 @@ def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> 
     out["free_blocks"], out["usable_blocks"] = pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
     if scheduler_cls == SCHEDULER_CLS:  # the host tier's own pin budget (HINTFLOW_PIN_BUDGET unset)
         out["pin_budget_blocks"] = sched.book.pin_budget_blocks
+        out["fcfs_slack"] = sched.fcfs_bound.slack  # (HINTFLOW_FCFS_SLACK unset: the host tier's default)
     out["in_flight_saves"] = len(tier._in_flight_req_ids)
     from engine_adapter.vllm_backend._step_trace import step_trace
 
@@ -248,10 +249,11 @@ def test_the_routers_cache_state_shows_the_host_tier(report: dict[str, Any]) -> 
 
 
 def test_with_a_host_tier_pins_hold_the_host_tiers_budget(report: dict[str, Any]) -> None:
-    from engine_adapter.vllm_backend import PIN_BUDGET_WITH_HOST
+    from engine_adapter.vllm_backend import FCFS_SLACK, FCFS_SLACK_WITH_HOST, PIN_BUDGET_WITH_HOST
 
     r = report["hintflow"]
     assert r["pin_budget_blocks"] == int(PIN_BUDGET_WITH_HOST * r["usable_blocks"])
+    assert r["fcfs_slack"] == FCFS_SLACK_WITH_HOST != FCFS_SLACK  # the FCFS bound's default with the tier
 
 
 def test_hintflow_skips_saving_a_last_turn_and_counts_host_hits(report: dict[str, Any]) -> None:

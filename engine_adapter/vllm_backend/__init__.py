@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         ADMIT_MAX_WAIT_S_WITH_HOST,
         AGING_S,
         FCFS_SLACK,
+        FCFS_SLACK_WITH_HOST,
         PIN_BUDGET,
         PIN_BUDGET_WITH_HOST,
     )
@@ -69,6 +70,7 @@ _LAZY: dict[str, str] = {
     "ADMIT_MAX_WAIT_S_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
     "AGING_S": "engine_adapter.vllm_backend._hint_scheduler",
     "FCFS_SLACK": "engine_adapter.vllm_backend._hint_scheduler",
+    "FCFS_SLACK_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
     "PIN_BUDGET": "engine_adapter.vllm_backend._hint_scheduler",
     "PIN_BUDGET_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
     "HOST_RELOAD_S_PER_TOKEN": "engine_adapter.vllm_backend._host_index",
@@ -99,6 +101,7 @@ __all__ = [
     "ASYNC_SCHEDULER_CLS",
     "AUTO_SCHEDULER_CLS",
     "FCFS_SLACK",
+    "FCFS_SLACK_WITH_HOST",
     "HOST_RELOAD_S_PER_TOKEN",
     "NODE_SETTINGS",
     "PIN_BUDGET",

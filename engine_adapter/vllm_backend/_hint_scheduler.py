@@ -87,7 +87,7 @@ if TYPE_CHECKING:
 else:
     _VllmScheduler = object
 
-__all__ = ["ADMIT_MAX_WAIT_S", "ADMIT_MAX_WAIT_S_WITH_HOST", "AGING_S", "FCFS_SLACK", "HOST_RELOAD_S_PER_TOKEN", "PIN_BUDGET", "PIN_BUDGET_WITH_HOST",
+__all__ = ["ADMIT_MAX_WAIT_S", "ADMIT_MAX_WAIT_S_WITH_HOST", "AGING_S", "FCFS_SLACK", "FCFS_SLACK_WITH_HOST", "HOST_RELOAD_S_PER_TOKEN", "PIN_BUDGET", "PIN_BUDGET_WITH_HOST",
            "PRIORITY_SCALE", "HintSchedulerMixin", "pin_budget"]
 
 log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
@@ -100,13 +100,19 @@ AGING_S = 1.0
 first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
 for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, six pairs on two traces: p99 TTFT
 9-32% lower in five, the same in one; mean JCT within 5% or 13-19% lower (docs/benchmarks.md)."""
-FCFS_SLACK = math.inf
-"""Default slack of the FCFS bound (``HINTFLOW_FCFS_SLACK``, ``engine_adapter/_fcfs_bound.py``): off. With slack
-1 (a first token at most twice FCFS's, in prefill tokens) four bracketed sittings on the agent benchmark's
-trace were mixed (docs/benchmarks.md, "An FCFS bound on the queue"): device-only p99 TTFT 0.99x and 0.97x
-stock's against 1.05x and 1.02x without it, at level JCT, in two; 1.06x against 0.98x, mean JCT 0.56x
-against 0.51x, in the third (the rule as it is since b546059, once); with a short host tier 0.82x against
-0.93x. Slack 0 cost a quarter of the hits. Not shown to pay, so not on by default."""
+FCFS_SLACK = 0.5
+"""Default slack of the FCFS bound without a host tier (``HINTFLOW_FCFS_SLACK``, ``engine_adapter/_fcfs_bound.py``):
+a first token at most 1.5 times FCFS's, in prefill tokens. In three paired device-only runs on the agent
+benchmark's trace (2026-12-07, each beside a run without the bound and bracketed by stock's) it gave a lower
+mean JCT in each (0.49x, 0.51x, 0.50x stock's against 0.53x, 0.56x, 0.53x), p90 0.54-0.58x against
+0.58-0.59x, and p99 TTFT 0.93x, 0.97x, 1.07x against 1.02x, 0.98x, 1.08x (docs/benchmarks.md, "An FCFS
+bound on the queue"). Slack 1 was mixed (seven sittings), slack 0 cost a quarter of the hits."""
+FCFS_SLACK_WITH_HOST = math.inf
+"""Default slack of the FCFS bound with a host tier: off. Slack 0.5 there lost in both paired runs (mean JCT
+0.75x and 0.70x stock+host's against 0.70x and 0.68x, p99 TTFT 1.30x and 1.32x against 1.22x and 1.14x);
+slack 1 was mixed (p99 TTFT 1.12x and 1.17x against 1.37x and 1.16x, mean JCT 0.70x both against 0.73x and
+0.62x). With the tier, a turn that lost its context comes back from the host quickly, and the turns the
+bound moves ahead cost the pinned and warm ones their place."""
 ADMIT_MAX_WAIT_S = 10.0
 """Default longest hold of program admission on a node without a host tier (``HINTFLOW_ADMIT_MAX_WAIT_S``):
 a new program's first turn waits at most this long, queue time included, while the programs in flight fill
@@ -173,7 +179,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     HINTFLOW_ADMIT_HORIZON_S (5: a parked, unpinned program counts as in flight this long after its turn),
     HINTFLOW_YIELD_PINS (1: pins of younger programs yield to a waiting turn the step could start that memory
     cannot take, in queue order; head: to the queue's head alone; 0: off), HINTFLOW_TTFT_DEADLINE_S
-    (inf: a request waiting this long goes first), HINTFLOW_FCFS_SLACK (FCFS_SLACK, inf: off; a request goes first once
+    (inf: a request waiting this long goes first), HINTFLOW_FCFS_SLACK (FCFS_SLACK, 0.5; with the host tier
+    FCFS_SLACK_WITH_HOST, inf: off; a request goes first once
     its first token is due at 1 + slack times FCFS's, counted in prefill tokens: ``_fcfs_bound``),
     HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
     holds a pin goes ahead of unpinned ones of its class, as on the embedded node), HINTFLOW_PIN_GRACE_S
@@ -265,7 +272,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.yield_pins_to = "head" if yield_setting == "head" else "queue"
         self.ttft_deadline_s = env_float("HINTFLOW_TTFT_DEADLINE_S", math.inf)
         try:
-            self.fcfs_bound = FcfsBound(env_float("HINTFLOW_FCFS_SLACK", FCFS_SLACK))
+            default_slack = FCFS_SLACK if self.host_tier is None else FCFS_SLACK_WITH_HOST
+            self.fcfs_bound = FcfsBound(env_float("HINTFLOW_FCFS_SLACK", default_slack))
         except ValueError as e:  # a negative or NaN slack: say which setting, at the node's start
             raise ValueError(f"HINTFLOW_FCFS_SLACK: {e}") from None
         self.pinned_first = env_on("HINTFLOW_PINNED_FIRST", "1")
