@@ -106,13 +106,13 @@ a first token at most 1.5 times FCFS's, in prefill tokens. In three paired devic
 benchmark's trace (2026-12-07, each beside a run without the bound and bracketed by stock's) it gave a lower
 mean JCT in each (0.49x, 0.51x, 0.50x stock's against 0.53x, 0.56x, 0.53x), p90 0.54-0.58x against
 0.58-0.59x, and p99 TTFT 0.93x, 0.97x, 1.07x against 1.02x, 0.98x, 1.08x (docs/benchmarks.md, "An FCFS
-bound on the queue"). Slack 1 was mixed (seven sittings), slack 0 cost a quarter of the hits."""
+bound on the queue"). Slack 1 was mixed at both memory points, slack 0 cost a quarter of the hits."""
 FCFS_SLACK_WITH_HOST = math.inf
 """Default slack of the FCFS bound with a host tier: off. Slack 0.5 there lost in both paired runs (mean JCT
 0.75x and 0.70x stock+host's against 0.70x and 0.68x, p99 TTFT 1.30x and 1.32x against 1.22x and 1.14x);
 slack 1 was mixed (p99 TTFT 1.12x and 1.17x against 1.37x and 1.16x, mean JCT 0.70x both against 0.73x and
-0.62x). With the tier, a turn that lost its context comes back from the host quickly, and the turns the
-bound moves ahead cost the pinned and warm ones their place."""
+0.62x). Why it loses there is not measured; with the tier fewer turns lose their context to begin with,
+so the turns it moves ahead are more often ones the pinned and warm turns would have beaten anyway."""
 ADMIT_MAX_WAIT_S = 10.0
 """Default longest hold of program admission on a node without a host tier (``HINTFLOW_ADMIT_MAX_WAIT_S``):
 a new program's first turn waits at most this long, queue time included, while the programs in flight fill
