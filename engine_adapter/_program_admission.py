@@ -84,21 +84,20 @@ def admit_verdict(
 
 @dataclass(frozen=True)
 class InFlight:
-    num_blocks: int
-    programs: frozenset[str]  # counted in ``num_blocks``
-    started: frozenset[str] = frozenset()  # every program with a session started here and not released
+    num_blocks: int  # the in-flight programs' contexts
+    started: frozenset[str]  # every program with a session started here and not released, in flight or not
 
 
 def working_set(
     sessions: Iterable[Session], now: float, horizon_s: float, block_size: int, live: Mapping[Session, int]
 ) -> InFlight:
-    """The embedded node's in-flight programs and the device blocks their whole contexts take; ``live``:
+    """The device blocks the embedded node's in-flight programs' whole contexts take, and the programs it has
+    started; ``live``:
     each running or queued turn's full length (its context once the turn is done), as vLLM's rule counts.
     ``started``: the programs this node has started and not seen released, in flight or not; a new session
     of one of them (a sub-agent, a session the router moved here) is not a new program, as on the vLLM node
     (``vllm_backend/_admission.py``, ``_started``)."""
     num_blocks = 0
-    programs: set[str] = set()
     started: set[str] = set()
     for s in sessions:
         if s.program_start_s is None or s.released:
@@ -108,6 +107,5 @@ def working_set(
         started.add(s.program_id)
         if s.state is SessionState.PARKED and s.pin_deadline_s is None and now - s.last_used_s >= horizon_s:
             continue
-        programs.add(s.program_id)
         num_blocks += -(-max(len(s.token_ids), live.get(s, 0)) // block_size)
-    return InFlight(num_blocks, frozenset(programs), frozenset(started))
+    return InFlight(num_blocks, frozenset(started))

@@ -375,9 +375,7 @@ class Scheduler:
             self.admit_stats["held"] += 1
             return True
         req.admit_reason = why  # counted once it is admitted (memory may still keep it waiting)
-        step.in_flight = InFlight(
-            cur.num_blocks + need, cur.programs | {s.program_id}, cur.started | {s.program_id}
-        )
+        step.in_flight = InFlight(cur.num_blocks + need, cur.started | {s.program_id})
         return False
 
     def _preemption_victim(self, exclude: set[str]) -> Request | None:
