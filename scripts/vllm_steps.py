@@ -9,7 +9,9 @@ them with ``--names``). A step's duration is the gap to the next line; gaps over
 server waiting for work, not a step, and are left out. For each file: the measured step time against the
 profile's price (``CostModel.step_time``'s formula: each prefill chunk ``a + b n + c ((p+n)^2 - p^2)``, the
 decodes together ``base + per_seq k + per_ctx ctx``, each block the host tier copied ``copy_per_block``),
-by kind of step and by 10 s window, with the requests per step. ``--fit`` fits those coefficients (the
+by kind of step and by 10 s window, with the requests per step, the prefill tokens per second of steps,
+the time in steps of decodes alone and, where the trace carries them, the pool's free and pinned blocks and
+the queue (averages over the window's steps). ``--fit`` fits those coefficients (the
 copy's only where the named steps copied blocks) by least squares on the named files' steps and
 prints every file's price under the fit; ``--write-profile`` writes ``cpu-vllm-tiny`` with them, which
 ``scripts/vllm_predict.py --profile`` replays with instead of scaling the idle profile to the stock run.
@@ -125,20 +127,22 @@ def report(name: str, steps: Sequence[Step], cm: CostModel) -> list[str]:
     for kind in sorted(kinds):
         n, r, m = kinds[kind]
         out.append(f"| {kind} | {int(n)} | {r:.1f} s | {m:.1f} s | {r / m:.2f} | {1e3 * r / n:.1f} |")
-    out += ["", "| window (s) | steps | measured | priced | measured / priced | tokens per step | requests per step |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
-    wins: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0])
+    out += ["", "| window (s) | steps | measured | priced | measured / priced | tokens per step | requests per step "
+            "| prefill tokens per s of steps | decodes alone | free / pinned blocks, waiting |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    wins: dict[int, list[float]] = defaultdict(lambda: [0.0] * 11)
     for t, dt, line in steps:
         w = wins[int(t // 10) * 10]
-        w[0] += 1
-        w[1] += dt
-        w[2] += price(cm, line)
-        w[3] += line[1]
-        w[4] += len(line[2]) + line[3]
+        pool = line[7:10] if len(line) >= 11 else None  # free, pinned, waiting (``StepTrace.pool_state``)
+        for i, v in enumerate((1, dt, price(cm, line), line[1], len(line[2]) + line[3],
+                               sum(n for n, _ in line[2]), 0.0 if line[2] else dt,
+                               pool is not None, *(pool or (0, 0, 0)))):  # fmt: skip
+            w[i] += float(v)
     for start in sorted(wins):
-        n, r, m, tok, reqs = wins[start]
+        n, r, m, tok, reqs, prefill, alone, num_pool, free, pinned, waiting = wins[start]
+        held = f"{free / num_pool:.0f} / {pinned / num_pool:.0f}, {waiting / num_pool:.1f}" if num_pool else "-"
         out.append(f"| {start}–{start + 10} | {int(n)} | {r:.1f} s | {m:.1f} s | {r / m if m else math.nan:.2f} | "
-                   f"{tok / n:.0f} | {reqs / n:.1f} |")  # fmt: skip
+                   f"{tok / n:.0f} | {reqs / n:.1f} | {prefill / r if r else math.nan:.0f} | {alone:.1f} s | {held} |")  # fmt: skip
     return out
 
 

@@ -283,3 +283,9 @@ def test_the_step_trace_records_each_step_as_vllm_scheduled_it(report: dict[str,
     assert sum(s[5] for s in steps) == stats["num_loaded_blocks"] > 0
     assert sum(s[6] for s in steps) >= stats["num_saved_blocks"] > 0  # (the trace also has the last steps')
     assert all(a[0] <= b[0] for a, b in itertools.pairwise(steps))
+    # the pool and the queue once each step is placed (StepTrace.pool_state), from either scheduler: free
+    # blocks within the pool, pins only on hintflow's node, and a step's requests among the running (a step
+    # that scheduled nothing, the last saves', may have none)
+    usable = report[scheduler]["usable_blocks"]
+    assert all(len(s) == 11 and 0 <= s[7] <= usable and s[9] >= 0 and (s[10] >= 1 or not s[1]) for s in steps)
+    assert scheduler == "hintflow" or all(s[8] == 0 for s in steps)

@@ -163,3 +163,26 @@ def test_a_trace_file_gives_durations_and_leaves_idle_gaps_out(tmp_path: Path) -
     text = "\n".join(vs.report("x", steps, CostModel(**{k: v for k, v in json.loads(vs.BASE_PROFILE.read_text()).items()
                                                         if k in CostModel.model_fields})))  # fmt: skip
     assert text.startswith("x: 3 steps, 0.3 s measured") and "| decodes only | 1 |" in text
+
+
+def test_the_pool_and_the_queue_go_on_each_line_and_into_the_windows(tmp_path: Path) -> None:
+    """Where the scheduler tells the trace its pool and queue (``StepTrace.pool_state``), each line carries
+    them after the copies, and ``vllm_steps.py`` averages them per window (a line without them counts none)."""
+    trace = _step_trace.StepTrace(tmp_path / "steps-1.0-7.jsonl", {"scheduler": "hintflow"})
+    state = [[40, 30, 5, 4]]
+    trace.pool_state = lambda: state[0]
+    trace.record(_output([("a", 0)], [], {"a": 128}))
+    state[0] = [10, 50, 7, 6]
+    trace.record(_output([], [("a", 128)], {"a": 1}))
+    trace.pool_state = None
+    trace.record(_output([], [("a", 129)], {"a": 1}))
+    trace.close()
+    lines = [json.loads(x) for x in (tmp_path / "steps-1.0-7.jsonl").read_text().splitlines()[1:]]
+    assert lines[0][7:] == [40, 30, 5, 4] and lines[1][7:] == [10, 50, 7, 6] and len(lines[2]) == 7
+    vs = load_script("vllm_steps")
+    steps = [(0.0, 0.1, lines[0]), (0.1, 0.1, lines[1]), (0.2, 0.1, lines[2]), (12.0, 0.1, lines[2])]
+    cm = CostModel(**{k: v for k, v in json.loads(vs.BASE_PROFILE.read_text()).items() if k in CostModel.model_fields})
+    rows = [r for r in vs.report("x", steps, cm) if r.startswith("| 0–10") or r.startswith("| 10–20")]
+    # 128 prefill tokens in 0.3 s of steps, two of them decodes alone; the pool of the two lines that said
+    assert rows[0].endswith("| 427 | 0.2 s | 25 / 40, 6.0 |")
+    assert rows[1].endswith("| 0.1 s | - |")  # no line of that window carried them

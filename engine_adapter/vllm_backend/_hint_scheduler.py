@@ -252,6 +252,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.steps = StepsInFlight()  # scheduled, output not back yet: 1 at most unless async scheduling
         self.step_times = StepTimes()  # what hintflow's rules add to each step (the 10 s log line)
         self.step_trace = step_trace("hintflow", self.node_id, bool(engine_async))  # HINTFLOW_STEP_TRACE
+        if self.step_trace is not None:
+            self.step_trace.pool_state = self._pool_state
         self._next_log_s = 0.0
         # Program FCFS gives an older program's turn at most this head start over a newer arrival, so
         # new programs' first turns cannot starve under overload (inf: strict program FCFS).
@@ -533,6 +535,11 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             if starved and not computing and self.book.num_pinned_blocks and self.book.force_unpin_latest():
                 log.info("hintflow: pins blocked all progress; unpinned the latest program")
             return out
+
+    def _pool_state(self) -> list[int]:
+        """The step trace's pool and queue: free blocks (cached ones included), pinned blocks, waiting, running."""
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        return [free, self.book.num_pinned_blocks, len(self.waiting), len(self.running)]
 
     def _log_stats(self) -> None:
         """Every 10 s: what the pins did (for benchmarks and operators; vLLM's log has the rest)."""

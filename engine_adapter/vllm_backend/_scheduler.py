@@ -86,20 +86,31 @@ def _matching(sync_cls: type, async_cls: type, args: tuple[Any, ...], kwargs: di
 
 
 class _TraceSteps:
-    """Stock vLLM's scheduling, unchanged, with each step written to the step trace (``_step_trace``)."""
+    """Stock vLLM's scheduling, unchanged, with each step written to the step trace (``_step_trace``), and
+    the pool and queue with it (``StepTrace.pool_state``; with hintflow's host tier the connector records the
+    step, from the same trace)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trace = step_trace("vllm", async_scheduling=isinstance(self, AsyncScheduler))  # (header says which)
+        if self._trace is not None:
+            self._trace.pool_state = self._pool_state
+
+    def _pool_state(self) -> list[int]:
+        """Free blocks (cached ones included), no pins, waiting, running."""
+        pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
+        return [pool.get_num_free_blocks(), 0, len(self.waiting), len(self.running)]  # type: ignore[attr-defined]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        trace = step_trace("vllm", async_scheduling=isinstance(self, AsyncScheduler))  # (the header says which)
-        if trace is not None:  # (a host connector records the same output too: it is written once)
-            trace.record(out)
+        if self._trace is not None:  # (a host connector records the same output too: it is written once)
+            self._trace.record(out)
         return out
 
 
 class TracedScheduler(_TraceSteps, Scheduler):  # type: ignore[misc]
-    """Stock vLLM's ``Scheduler`` with the step trace: how a stock node is traced with no host tier, whose
-    connector would trace it (``_serve.build_vllm_command`` passes it to a stock node only while
-    ``HINTFLOW_STEP_TRACE`` is set)."""
+    """Stock vLLM's ``Scheduler`` with the step trace and its pool and queue (``_serve.build_vllm_command``
+    passes it to a stock node, with or without the host tier, only while ``HINTFLOW_STEP_TRACE`` is set)."""
 
 
 class TracedAsyncScheduler(_TraceSteps, AsyncScheduler):  # type: ignore[misc]

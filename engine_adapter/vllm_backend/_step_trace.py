@@ -14,7 +14,11 @@ with ``t_s`` the monotonic clock when the step was scheduled, ``tokens`` the ste
 ``[n, p]`` per prefill chunk (``n`` new tokens after ``p`` already computed or cached), the decodes (one
 token each after a computed context) with their total context, and the blocks the host tier copies in
 the step, host to device and device to host (0 and 0 without one; traces before these two fields have
-five). A step's duration is the gap to the next line: vLLM
+five), then the pool and the queue once the step is placed, ``num_free_blocks, num_pinned_blocks,
+num_waiting, num_running``, from the node's scheduler (``StepTrace.pool_state``, hintflow's or the traced
+stock one; free counts the cached blocks vLLM may evict, pinned is 0 on a stock node; traces before these
+four have seven fields). Those four showed
+why a pinned third of the pool slows the node at a load peak (docs/benchmarks.md, "Pins at the load peak"). A step's duration is the gap to the next line: vLLM
 schedules the next step when this one's output is back (with async scheduling on the gaps overlap, and
 the trace says so in its header). The first line is a header (``{"pid", "node_id", "scheduler",
 "async_scheduling", "started_unix_s"}``).
@@ -36,6 +40,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -78,13 +83,18 @@ class StepTrace:
         # the next step's output once this one is freed (that dropped ~3% of the steps of a loaded node)
         self._last: object | None = None
         self.num_steps = 0
+        # the node's pool and queue at each step, appended to its line: [free, pinned, waiting, running]
+        self.pool_state: Callable[[], Sequence[int]] | None = None
 
     def record(self, output: Any, copies: Any = None) -> None:
         if self._file.closed or output is self._last:
             return  # stopped, or the connector and the scheduler both saw this step
         self._last = output
         try:
-            self._file.write(json.dumps(step_line(output, time.monotonic(), copies)) + "\n")
+            line = step_line(output, time.monotonic(), copies)
+            if self.pool_state is not None:
+                line += [int(x) for x in self.pool_state()]
+            self._file.write(json.dumps(line) + "\n")
         except (OSError, AttributeError, TypeError, ValueError) as e:  # never into vLLM's engine loop
             log.warning("hintflow: the step trace %s stopped: %s", self.path, e)
             self.close()
