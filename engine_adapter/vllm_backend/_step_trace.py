@@ -17,8 +17,8 @@ the step, host to device and device to host (0 and 0 without one; traces before 
 five), then the pool and the queue once the step is placed, ``num_free_blocks, num_pinned_blocks,
 num_waiting, num_running``, from the node's scheduler (``StepTrace.pool_state``, hintflow's or the traced
 stock one; free counts the cached blocks vLLM may evict, pinned is 0 on a stock node; traces before these
-four have seven fields). Those four showed
-why a pinned third of the pool slows the node at a load peak (docs/benchmarks.md, "Pins at the load peak"). A step's duration is the gap to the next line: vLLM
+four have seven fields). Those four showed why a pinned third of the pool slows the node at a load peak
+(docs/benchmarks.md, "Pins at the load peak"). A step's duration is the gap to the next line: vLLM
 schedules the next step when this one's output is back (with async scheduling on the gaps overlap, and
 the trace says so in its header). The first line is a header (``{"pid", "node_id", "scheduler",
 "async_scheduling", "started_unix_s"}``).
