@@ -206,13 +206,7 @@ def run_vllm_replay(
     ``ValueError`` for a workload or sizes that cannot run, ``RuntimeError`` / ``TimeoutError`` when a
     server does not come up (with its log's tail).
     """
-    from engine_adapter.vllm_backend import (
-        ADMIT_MAX_WAIT_S,
-        ADMIT_MAX_WAIT_S_WITH_HOST,
-        FCFS_SLACK,
-        FCFS_SLACK_WITH_HOST,
-        find_vllm_python,
-    )
+    from engine_adapter.vllm_backend import find_vllm_python, node_defaults
     from replay._readers import read_workload
     from replay._vllm_bench import (
         ensure_model,
@@ -265,6 +259,7 @@ def run_vllm_replay(
                          f"{limit:,}: lower --scale")  # fmt: skip
 
     report: dict[str, Any] = {"backend": "vllm", "policies": {}, "programs": {}, "verdict": {}}
+    device, host = node_defaults(False), node_defaults(True)
     report["config"] = {
         "workload": workload, "num_programs": len(programs), "rate": rate, "scale": scale, "seed": seed,
         "multi_session_programs": sum(1 for p in agents if len(p.all_sessions) > 1),
@@ -274,11 +269,11 @@ def run_vllm_replay(
         "kv_capacity_source": "--kv-capacity-tokens" if kv_capacity_tokens is not None
         else "a third of the live programs' contexts", "expected_live_programs": live,
         "max_model_len": max_len, "pin_budget": pin_budget,
-        "admit_max_wait_s": ADMIT_MAX_WAIT_S,  # hintflow's own nodes without a host tier (the mirror reads it)
-        "admit_max_wait_s_host": ADMIT_MAX_WAIT_S_WITH_HOST,  # and with one
+        # hintflow's own nodes' defaults by memory point (the mirror reads them): admission's longest hold and
+        # the FCFS bound's slack (None: off), without a host tier and with one ("_host")
+        "admit_max_wait_s": device.admit_max_wait_s, "admit_max_wait_s_host": host.admit_max_wait_s,
+        "fcfs_slack": _finite(device.fcfs_slack), "fcfs_slack_host": _finite(host.fcfs_slack),
         "warm_first": True,  # hintflow's own nodes ran the warm-first rule (HINTFLOW_WARM_FIRST; the mirror reads it)
-        "fcfs_slack": FCFS_SLACK if math.isfinite(FCFS_SLACK) else None,  # the FCFS bound (None: off; the mirror reads it)
-        "fcfs_slack_host": FCFS_SLACK_WITH_HOST if math.isfinite(FCFS_SLACK_WITH_HOST) else None,  # and with the tier
         "host_capacity_tokens": host_tokens if any(m.endswith("+host") for m in modes) else None, "model": str(model_dir), "vllm_python": python,
         "state_dir": str(state), "policies": modes, "rounds": rounds, "bracket": bracket,
     }  # fmt: skip
@@ -332,6 +327,11 @@ PORT_RETRIES = 2
 """Times a server whose port was taken between choosing it and binding it is started again (on a busy
 machine the clients' own connections take ephemeral ports from the same range; one lost mode must not
 lose a sitting of several rounds)."""
+
+
+def _finite(x: float) -> float | None:
+    """A setting as the report writes it: None for inf (off), as JSON has no infinity."""
+    return x if math.isfinite(x) else None
 
 
 def _lost_port(e: BaseException) -> bool:

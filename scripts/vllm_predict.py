@@ -56,7 +56,7 @@ from typing import Any
 
 from mirror_turns import format_turns, pair_turns
 
-from engine_adapter.vllm_backend import AGING_S, PIN_BUDGET, PIN_BUDGET_WITH_HOST
+from engine_adapter.vllm_backend import AGING_S, PIN_BUDGET, node_defaults
 from replay import MODE_ENV, ReplaySetup, get_replay_config, parse_variant, report_json, run_replay
 
 
@@ -145,7 +145,7 @@ def _mirror(
     nodes keep it). ``warm_first``: whether
     hintflow's nodes ran the warm-first rule (its report's ``config.warm_first``; reports before: not)."""
     host = mode.endswith("+host")
-    budget = pin_budget if pin_budget is not None else PIN_BUDGET_WITH_HOST if host else PIN_BUDGET
+    budget = pin_budget if pin_budget is not None else node_defaults(host).pin_budget
     base = mode.removesuffix("+host")
     spec = MIRRORS[base].replace(f"pin_budget={PIN_BUDGET}", f"pin_budget={budget}")
     stock = base == "vanilla"

@@ -50,7 +50,7 @@ def test_cli_passes_metrics_port_to_serve_vllm(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_the_pin_budget_follows_the_host_tier_unless_set() -> None:
-    from engine_adapter.vllm_backend._hint_scheduler import PIN_BUDGET, PIN_BUDGET_WITH_HOST, pin_budget
+    from engine_adapter.vllm_backend._node_defaults import PIN_BUDGET, PIN_BUDGET_WITH_HOST, pin_budget
 
     assert pin_budget(None, host_tier=False) == PIN_BUDGET == 0.9
     assert pin_budget("", host_tier=True) == PIN_BUDGET_WITH_HOST == 0.5
@@ -58,6 +58,17 @@ def test_the_pin_budget_follows_the_host_tier_unless_set() -> None:
     for bad in ("1", "-0.1", "half", "nan"):
         with pytest.raises(ValueError, match="HINTFLOW_PIN_BUDGET="):
             pin_budget(bad, host_tier=False)
+
+
+def test_the_defaults_that_follow_the_host_tier_are_read_from_one_place() -> None:
+    """The scheduler, the harness's report and the mirror read the tier's defaults from ``node_defaults``."""
+    import math
+
+    from engine_adapter.vllm_backend import node_defaults
+
+    device, host = node_defaults(False), node_defaults(True)
+    assert (device.pin_budget, device.admit_max_wait_s, device.fcfs_slack) == (0.9, 10.0, 0.5)
+    assert (host.pin_budget, host.admit_max_wait_s) == (0.5, 0.0) and math.isinf(host.fcfs_slack)
 
 
 def test_node_numbers_from_the_environment_name_the_variable_on_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:

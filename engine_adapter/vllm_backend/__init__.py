@@ -20,15 +20,6 @@ if TYPE_CHECKING:
         check_vllm_python,
         missing_internals,
     )
-    from engine_adapter.vllm_backend._hint_scheduler import (
-        ADMIT_MAX_WAIT_S,
-        ADMIT_MAX_WAIT_S_WITH_HOST,
-        AGING_S,
-        FCFS_SLACK,
-        FCFS_SLACK_WITH_HOST,
-        PIN_BUDGET,
-        PIN_BUDGET_WITH_HOST,
-    )
     from engine_adapter.vllm_backend._host_index import (
         HOST_RELOAD_S_PER_TOKEN,
         host_tier_config,
@@ -42,6 +33,17 @@ if TYPE_CHECKING:
     )
     from engine_adapter.vllm_backend._kv_subscriber import (
         KvEventSubscriber,
+    )
+    from engine_adapter.vllm_backend._node_defaults import (
+        ADMIT_MAX_WAIT_S,
+        ADMIT_MAX_WAIT_S_WITH_HOST,
+        AGING_S,
+        FCFS_SLACK,
+        FCFS_SLACK_WITH_HOST,
+        PIN_BUDGET,
+        PIN_BUDGET_WITH_HOST,
+        NodeDefaults,
+        node_defaults,
     )
     from engine_adapter.vllm_backend._serve import (
         ASYNC_SCHEDULER_CLS,
@@ -66,13 +68,15 @@ _LAZY: dict[str, str] = {
     "TESTED_VLLM_VERSION": "engine_adapter.vllm_backend._compat",
     "check_vllm_python": "engine_adapter.vllm_backend._compat",
     "missing_internals": "engine_adapter.vllm_backend._compat",
-    "ADMIT_MAX_WAIT_S": "engine_adapter.vllm_backend._hint_scheduler",
-    "ADMIT_MAX_WAIT_S_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
-    "AGING_S": "engine_adapter.vllm_backend._hint_scheduler",
-    "FCFS_SLACK": "engine_adapter.vllm_backend._hint_scheduler",
-    "FCFS_SLACK_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
-    "PIN_BUDGET": "engine_adapter.vllm_backend._hint_scheduler",
-    "PIN_BUDGET_WITH_HOST": "engine_adapter.vllm_backend._hint_scheduler",
+    "ADMIT_MAX_WAIT_S": "engine_adapter.vllm_backend._node_defaults",
+    "ADMIT_MAX_WAIT_S_WITH_HOST": "engine_adapter.vllm_backend._node_defaults",
+    "AGING_S": "engine_adapter.vllm_backend._node_defaults",
+    "FCFS_SLACK": "engine_adapter.vllm_backend._node_defaults",
+    "FCFS_SLACK_WITH_HOST": "engine_adapter.vllm_backend._node_defaults",
+    "PIN_BUDGET": "engine_adapter.vllm_backend._node_defaults",
+    "PIN_BUDGET_WITH_HOST": "engine_adapter.vllm_backend._node_defaults",
+    "NodeDefaults": "engine_adapter.vllm_backend._node_defaults",
+    "node_defaults": "engine_adapter.vllm_backend._node_defaults",
     "HOST_RELOAD_S_PER_TOKEN": "engine_adapter.vllm_backend._host_index",
     "host_tier_config": "engine_adapter.vllm_backend._host_index",
     "KvResidency": "engine_adapter.vllm_backend._kv_events",
@@ -112,6 +116,7 @@ __all__ = [
     "TRACED_STOCK_SCHEDULER_CLS",
     "KvEventSubscriber",
     "KvResidency",
+    "NodeDefaults",
     "build_vllm_command",
     "check_vllm_python",
     "find_vllm_python",
@@ -119,6 +124,7 @@ __all__ = [
     "kv_events_config",
     "make_tiny_model",
     "missing_internals",
+    "node_defaults",
     "serve_sidecar",
     "serve_vllm",
     "start_vllm",

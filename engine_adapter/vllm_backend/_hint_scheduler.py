@@ -73,6 +73,7 @@ from ._compat import check_vllm_internals
 from ._context_moves import KvLayout, kv_layout
 from ._host_index import HOST_RELOAD_S_PER_TOKEN
 from ._infer import HintInference, env_float, env_on, infer_enabled
+from ._node_defaults import AGING_S, node_defaults, pin_budget
 from ._sessions import SessionBook, VSession
 from ._step_times import StepTimes
 from ._step_trace import step_trace
@@ -87,60 +88,12 @@ if TYPE_CHECKING:
 else:
     _VllmScheduler = object
 
-__all__ = ["ADMIT_MAX_WAIT_S", "ADMIT_MAX_WAIT_S_WITH_HOST", "AGING_S", "FCFS_SLACK", "FCFS_SLACK_WITH_HOST", "HOST_RELOAD_S_PER_TOKEN", "PIN_BUDGET", "PIN_BUDGET_WITH_HOST",
-           "PRIORITY_SCALE", "HintSchedulerMixin", "pin_budget"]
+__all__ = ["HOST_RELOAD_S_PER_TOKEN", "PRIORITY_SCALE", "HintSchedulerMixin"]
 
 log = logging.getLogger("vllm.hintflow")  # under vLLM's logger: its handlers print INFO
 
 _SESSION_ID: TypeAdapter[str] = TypeAdapter(SessionId)
 _PROGRAM_ID: TypeAdapter[str] = TypeAdapter(OptionalProgramId)
-
-AGING_S = 1.0
-"""Default bound on program FCFS's head start: an older program's returning turn outranks a new program's
-first turn only if it arrived less than this much later. Strict program FCFS (inf) starved first turns
-for 35 s at p99 under overload (docs/benchmarks.md). 1 s against 3 s, six pairs on two traces: p99 TTFT
-9-32% lower in five, the same in one; mean JCT within 5% or 13-19% lower (docs/benchmarks.md)."""
-FCFS_SLACK = 0.5
-"""Default slack of the FCFS bound without a host tier (``HINTFLOW_FCFS_SLACK``, ``engine_adapter/_fcfs_bound.py``):
-a first token at most 1.5 times FCFS's, in prefill tokens. In three paired device-only runs on the agent
-benchmark's trace (2026-12-07, each beside a run without the bound and bracketed by stock's) it gave a lower
-mean JCT in each (0.49x, 0.51x, 0.50x stock's against 0.53x, 0.56x, 0.53x), p90 0.54-0.58x against
-0.58-0.59x, and p99 TTFT 0.93x, 0.97x, 1.07x against 1.02x, 0.98x, 1.08x (docs/benchmarks.md, "An FCFS
-bound on the queue"). Slack 1 was mixed at both memory points, slack 0 cost a quarter of the hits."""
-FCFS_SLACK_WITH_HOST = math.inf
-"""Default slack of the FCFS bound with a host tier: off. Slack 0.5 there lost in both paired runs (mean JCT
-0.75x and 0.70x stock+host's against 0.70x and 0.68x, p99 TTFT 1.30x and 1.32x against 1.22x and 1.14x);
-slack 1 was mixed (p99 TTFT 1.12x and 1.17x against 1.37x and 1.16x, mean JCT 0.70x both against 0.73x and
-0.62x). Why it loses with the tier is not measured (the node's step trace would show which turns it moves)."""
-ADMIT_MAX_WAIT_S = 10.0
-"""Default longest hold of program admission on a node without a host tier (``HINTFLOW_ADMIT_MAX_WAIT_S``):
-a new program's first turn waits at most this long, queue time included, while the programs in flight fill
-the pool. About what stock vLLM's request FCFS makes every turn wait at the load peak (its median TTFT
-there: 10.4-11 s), so a first turn held this long waits no longer than stock would have kept it. Against
-the aging bound (1 s, the default until this constant), two paired bracketed rounds on the agent
-benchmark's trace, device-only, in both: mean JCT 5-7%, p90 JCT 4-6% and p99 TTFT 16-20% lower, hits 1-5
-points higher (docs/benchmarks.md, "The admission hold, again"). With the host tier see
-ADMIT_MAX_WAIT_S_WITH_HOST."""
-ADMIT_MAX_WAIT_S_WITH_HOST = 0.0
-"""Default longest hold with the host tier: none, a first turn is admitted at once (the guard still counts
-it in flight). Until this constant the aging bound (1 s). With the tier the tail of first tokens is the
-last programs' first turns, which waited out the hold at the load peak: against the 1 s hold, two paired
-bracketed rounds on the agent benchmark's trace with a host tier of half the pool, p99 TTFT 1.08x and
-0.88x stock's against 1.28x and 1.23x, mean JCT 0.69x and 0.64x against 0.67x and 0.77x
-(docs/benchmarks.md, "Batch width, and a lease without blocks")."""
-PIN_BUDGET = 0.9
-"""Default share of the pool pins may hold on a node with no host tier. 0.5 held ~4 of ~30 live contexts
-under overload; with the yield and deadlock rules returning pinned blocks whenever an older turn or any
-progress needs them, more of the pool can bridge pauses. Against 0.7 (the default until
-cbd7738), six paired rounds in two sittings on the agent benchmark's trace: mean JCT 3-14%, p90 JCT
-5-15% and p99 TTFT 1-13% lower in every round (docs/benchmarks.md, "The pin budget"). The embedded
-node keeps 0.5: in the replay 0.9 cost an overloaded multi-agent workload 8-18%."""
-PIN_BUDGET_WITH_HOST = 0.5
-"""Default share with hintflow's host tier: a context let go is copied back from the host, not re-prefilled,
-so a pin saves less and the room serves waiting turns. Against 0.7, three paired rounds on the agent
-benchmark's trace with a host tier of half the pool: mean JCT 1-10% and p99 TTFT 7-13% lower in every
-round (docs/benchmarks.md, "The pin budget")."""
-
 
 def _pinned(pinned_first: bool, s: VSession) -> bool:
     """Whether the session's queued turns take the pinned band (``HINTFLOW_PINNED_FIRST`` and a live pin
@@ -148,26 +101,11 @@ def _pinned(pinned_first: bool, s: VSession) -> bool:
     return pinned_first and holds_pin(s.pin_deadline_s, len(s.held))
 
 
-def pin_budget(setting: str | None, *, host_tier: bool) -> float:
-    """The node's pin budget: ``HINTFLOW_PIN_BUDGET`` when set, else the default for its memory
-    (:data:`PIN_BUDGET_WITH_HOST` with the host tier, :data:`PIN_BUDGET` without). ValueError naming the
-    variable for a value that is not a share in [0, 1)."""
-    if setting is None or not setting.strip():
-        return PIN_BUDGET_WITH_HOST if host_tier else PIN_BUDGET
-    try:
-        value = float(setting)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"HINTFLOW_PIN_BUDGET={setting!r}: expected a share of the pool in [0, 1)")
-    return value
-
-
 class HintSchedulerMixin(QueueRules, _VllmScheduler):
     """Goes before vLLM's scheduler class in the bases (``_scheduler``); see the module docstring.
 
-    Env: HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET (unset: PIN_BUDGET, or PIN_BUDGET_WITH_HOST with the host
-    tier), HINTFLOW_NODE_ID, HINTFLOW_INFER_HINTS (1),
+    Env (defaults that depend on the host tier: ``_node_defaults``): HINTFLOW_HINT_PORT, HINTFLOW_PIN_BUDGET
+    (unset: PIN_BUDGET, or PIN_BUDGET_WITH_HOST with the host tier), HINTFLOW_NODE_ID, HINTFLOW_INFER_HINTS (1),
     HINTFLOW_INFER_DEFER_S (60: seconds an explicit hint silences inference), HINTFLOW_INFER_MEMORY_SHARE
     (1: inferred pins priced by the share of the pool they hold; 0: Continuum's cost),
     HINTFLOW_INFER_RELOAD_S_PER_TOKEN (unset: measured), HINTFLOW_INFER_RENEW (1), HINTFLOW_INFER_SILENT_S (30),
@@ -200,6 +138,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.pins_supported = len(self.kv_cache_config.kv_cache_groups) == 1 and pool.enable_caching
         # hintflow's host KV tier (_host_connector), when vLLM runs it (see below for what it changes)
         self.host_tier: Any = self.connector if hasattr(self.connector, "step_loaded_tokens") else None
+        defaults = node_defaults(self.host_tier is not None)  # the three that depend on the tier (_node_defaults)
         budget = pin_budget(os.environ.get("HINTFLOW_PIN_BUDGET"), host_tier=self.host_tier is not None)
         self.book = SessionBook(pool, pool.num_gpu_blocks - 1, pin_budget_fraction=budget)  # -1: null block
         self._req_session: dict[str, VSession] = {}
@@ -263,18 +202,15 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         # the pool the in-flight contexts must fit: the device's, and the host tier's (what the device
         # evicts is kept there)
         self.admit_pool_blocks = self.book.num_blocks + (self.host_tier.num_slots if self.host_tier is not None else 0)
-        # the longest hold, each measured where it is the default (their docstrings)
-        default_wait = ADMIT_MAX_WAIT_S if self.host_tier is None else ADMIT_MAX_WAIT_S_WITH_HOST
-        # ("auto" was a setting until it proved to be the aging bound: docs/vllm-backend.md)
-        self.admit_max_wait_s = env_float("HINTFLOW_ADMIT_MAX_WAIT_S", default_wait)
+        # the longest hold ("auto" was a setting until it proved to be the aging bound: docs/vllm-backend.md)
+        self.admit_max_wait_s = env_float("HINTFLOW_ADMIT_MAX_WAIT_S", defaults.admit_max_wait_s)
         self.admit_horizon_s = env_float("HINTFLOW_ADMIT_HORIZON_S", ADMIT_HORIZON_S)
         yield_setting = os.environ.get("HINTFLOW_YIELD_PINS", "1").strip().lower()
         self.yield_pins = env_on("HINTFLOW_YIELD_PINS", "1")
         self.yield_pins_to = "head" if yield_setting == "head" else "queue"
         self.ttft_deadline_s = env_float("HINTFLOW_TTFT_DEADLINE_S", math.inf)
         try:
-            default_slack = FCFS_SLACK if self.host_tier is None else FCFS_SLACK_WITH_HOST
-            self.fcfs_bound = FcfsBound(env_float("HINTFLOW_FCFS_SLACK", default_slack))
+            self.fcfs_bound = FcfsBound(env_float("HINTFLOW_FCFS_SLACK", defaults.fcfs_slack))
         except ValueError as e:  # a negative or NaN slack: say which setting, at the node's start
             raise ValueError(f"HINTFLOW_FCFS_SLACK: {e}") from None
         self.pinned_first = env_on("HINTFLOW_PINNED_FIRST", "1")

@@ -28,7 +28,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from ._compat import check_vllm_names
-from ._hint_scheduler import AGING_S, PIN_BUDGET, PRIORITY_SCALE, HintSchedulerMixin
+from ._hint_scheduler import PRIORITY_SCALE, HintSchedulerMixin
+from ._node_defaults import AGING_S, PIN_BUDGET
 from ._step_trace import step_trace
 
 # vLLM's scheduler classes are imported only once the check has passed: a vLLM that moved or renamed one
