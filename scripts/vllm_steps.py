@@ -25,6 +25,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,45 @@ def _kind(line: list[Any]) -> str:
     return kind + (", host copies" if _copies(line) else "")
 
 
+@dataclass
+class _Window:
+    """One 10 s window's sums over its steps (the window table's columns are their means)."""
+
+    num_steps: int = 0
+    measured_s: float = 0.0
+    priced_s: float = 0.0
+    num_tokens: int = 0
+    num_requests: int = 0  # prefill chunks and decodes
+    num_prefill_tokens: int = 0
+    decodes_alone_s: float = 0.0  # time in steps that computed no prefill
+    num_pool_lines: int = 0  # steps whose line carries the pool (``StepTrace.pool_state``; older traces do not)
+    free_blocks: int = 0
+    pinned_blocks: int = 0
+    num_waiting: int = 0
+
+    def add(self, dt: float, priced_s: float, line: list[Any]) -> None:
+        self.num_steps += 1
+        self.measured_s += dt
+        self.priced_s += priced_s
+        self.num_tokens += line[1]
+        self.num_requests += len(line[2]) + line[3]
+        self.num_prefill_tokens += sum(n for n, _ in line[2])
+        self.decodes_alone_s += 0.0 if line[2] else dt
+        if len(line) >= 11:  # [..., free, pinned, waiting, running]
+            self.num_pool_lines += 1
+            self.free_blocks += line[7]
+            self.pinned_blocks += line[8]
+            self.num_waiting += line[9]
+
+    def row(self) -> str:
+        """The window's cells after its time span, as the table's header names them."""
+        n, r, m, p = self.num_steps, self.measured_s, self.priced_s, self.num_pool_lines
+        held = f"{self.free_blocks / p:.0f} / {self.pinned_blocks / p:.0f}, {self.num_waiting / p:.1f}" if p else "-"
+        return (f"{n} | {r:.1f} s | {m:.1f} s | {r / m if m else math.nan:.2f} | {self.num_tokens / n:.0f} | "
+                f"{self.num_requests / n:.1f} | {self.num_prefill_tokens / r if r else math.nan:.0f} | "
+                f"{self.decodes_alone_s:.1f} s | {held}")  # fmt: skip
+
+
 def report(name: str, steps: Sequence[Step], cm: CostModel) -> list[str]:
     """Measured against priced, in all, by kind of step and by 10 s window."""
     if not steps:
@@ -130,19 +170,11 @@ def report(name: str, steps: Sequence[Step], cm: CostModel) -> list[str]:
     out += ["", "| window (s) | steps | measured | priced | measured / priced | tokens per step | requests per step "
             "| prefill tokens per s of steps | decodes alone | free / pinned blocks, waiting |",
             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    wins: dict[int, list[float]] = defaultdict(lambda: [0.0] * 11)
+    wins: dict[int, _Window] = defaultdict(_Window)
     for t, dt, line in steps:
-        w = wins[int(t // 10) * 10]
-        pool = line[7:10] if len(line) >= 11 else None  # free, pinned, waiting (``StepTrace.pool_state``)
-        for i, v in enumerate((1, dt, price(cm, line), line[1], len(line[2]) + line[3],
-                               sum(n for n, _ in line[2]), 0.0 if line[2] else dt,
-                               pool is not None, *(pool or (0, 0, 0)))):  # fmt: skip
-            w[i] += float(v)
+        wins[int(t // 10) * 10].add(dt, price(cm, line), line)
     for start in sorted(wins):
-        n, r, m, tok, reqs, prefill, alone, num_pool, free, pinned, waiting = wins[start]
-        held = f"{free / num_pool:.0f} / {pinned / num_pool:.0f}, {waiting / num_pool:.1f}" if num_pool else "-"
-        out.append(f"| {start}–{start + 10} | {int(n)} | {r:.1f} s | {m:.1f} s | {r / m if m else math.nan:.2f} | "
-                   f"{tok / n:.0f} | {reqs / n:.1f} | {prefill / r if r else math.nan:.0f} | {alone:.1f} s | {held} |")  # fmt: skip
+        out.append(f"| {start}–{start + 10} | {wins[start].row()} |")
     return out
 
 
