@@ -41,7 +41,9 @@ FCFS_SLACK_WITH_HOST = math.inf
 """Default slack of the FCFS bound with a host tier: off. Slack 0.5 there lost in both paired runs (mean JCT
 0.75x and 0.70x stock+host's against 0.70x and 0.68x, p99 TTFT 1.30x and 1.32x against 1.22x and 1.14x);
 slack 1 was mixed (p99 TTFT 1.12x and 1.17x against 1.37x and 1.16x, mean JCT 0.70x both against 0.73x and
-0.62x). Why it loses with the tier is not measured (the node's step trace would show which turns it moves)."""
+0.62x). With the tier the tail is the cold band at the load peak, which waits as long whatever the bound
+moves into it, and a due turn that took any program's pin did not shorten it either (docs/benchmarks.md,
+"Pins at the load peak")."""
 ADMIT_MAX_WAIT_S = 10.0
 """Default longest hold of program admission on a node without a host tier (``HINTFLOW_ADMIT_MAX_WAIT_S``):
 a new program's first turn waits at most this long, queue time included, while the programs in flight fill
