@@ -1,4 +1,5 @@
-"""The vLLM node's defaults, and the three that depend on its memory: with hintflow's host tier or without.
+"""The vLLM node's measured queue and pin defaults: program FCFS's head start, and the three that depend on
+its memory (with hintflow's host tier or without). Other settings keep their defaults where they are read.
 
 Why one module: a default is measured where it is the default (each constant's docstring says how), and
 three of them differ by memory point (the pin budget, program admission's longest hold, the FCFS bound's
