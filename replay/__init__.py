@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     )
     from replay._setup import WORKLOAD_DEFAULTS, ReplaySetup, estimate_live_context_tokens, run_replay
     from replay._sim import SimResult, Simulation
+    from replay._vllm_backend import parse_vllm_variant
     from replay._vllm_bench import MODE_ENV, vllm_counters
     from replay._vllm_bench import main as vllm_bench_main
 
@@ -87,6 +88,7 @@ __all__ = [
     "metrics",
     "parse_policy_list",
     "parse_variant",
+    "parse_vllm_variant",
     "poisson_arrivals",
     "program_from_dict",
     "program_to_dict",
@@ -119,6 +121,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "vllm_bench_main": ("replay._vllm_bench", "main"),
     "MODE_ENV": ("replay._vllm_bench", "MODE_ENV"),
     "vllm_counters": ("replay._vllm_bench", "vllm_counters"),
+    "parse_vllm_variant": ("replay._vllm_backend", "parse_vllm_variant"),
 }
 
 

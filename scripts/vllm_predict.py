@@ -2,6 +2,7 @@
 
     python scripts/vllm_predict.py REAL.json [--json OUT]
     python scripts/vllm_predict.py REAL.json --turns MODE [--fit OUT]   # one mode, turn by turn
+    python scripts/vllm_predict.py REAL.json --try 'NAME=MODE:env.HINTFLOW_PIN_BUDGET=0.2'   # a setting not run
 
 REAL.json is a ``hintflow replay --backend vllm --json`` report with a ``vanilla`` row (same trace, same
 pool, one sitting); ``MODE+host`` rows are predicted on a node with the report's host tier and compared
@@ -59,7 +60,15 @@ from typing import Any
 from mirror_turns import format_turns, pair_turns
 
 from engine_adapter.vllm_backend import AGING_S, PIN_BUDGET, node_defaults
-from replay import MODE_ENV, ReplaySetup, get_replay_config, parse_variant, report_json, run_replay
+from replay import (
+    MODE_ENV,
+    ReplaySetup,
+    get_replay_config,
+    parse_variant,
+    parse_vllm_variant,
+    report_json,
+    run_replay,
+)
 
 
 def _node(aging_s: float) -> str:
@@ -371,6 +380,52 @@ def _turns(real: dict[str, Any], mode: str, variants: dict[str, Any], a: argpars
     print(format_turns(pairs))
 
 
+def _tries(texts: list[str], real: dict[str, Any], modes: list[str]) -> dict[str, dict[str, Any]]:
+    """``--try`` variants: mirrored node settings of a mode this sitting ran, each as a report's variant."""
+    out: dict[str, dict[str, Any]] = {}
+    earlier: list[Any] = []
+    for text in texts:
+        try:
+            v = parse_vllm_variant(text, earlier)
+        except ValueError as e:
+            raise SystemExit(str(e).replace("--variant", "--try", 1)) from None
+        earlier.append(v)
+        env = dict(v.env)
+        unmirrored = sorted(set(env) - set(NODE_ENV))
+        if unmirrored or v.policy_options:
+            what = ", ".join([*unmirrored, *(f"policy.{k}" for k, _ in v.policy_options)])
+            raise SystemExit(f"--try {text!r}: the mirror has no equivalent of {what} (it mirrors env. {', '.join(NODE_ENV)})")
+        if v.name in real["policies"]:
+            raise SystemExit(f"--try {text!r}: {v.name!r} is a mode the sitting ran; name the variant apart")
+        if v.mode not in modes or v.mode.removesuffix("+host") not in MIRRORS:
+            raise SystemExit(f"--try {text!r}: its mode {v.mode!r} is not a mirrored mode of this report "
+                             f"(those: {', '.join(m for m in modes if m.removesuffix('+host') in MIRRORS and m != _reference(m))})")
+        out[v.name] = {"mode": v.mode, "policy_options": {}, "env": env}
+    return out
+
+
+def _print_tried(
+    tried: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, dict[str, float]]]],
+    pred: dict[str, dict[str, float]], ranges: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The ``--try`` rows, predicted only (the node never ran them), beside their mode's prediction."""
+    if not tried:
+        return {}
+    print("\nnot run on the node (--try), predicted only:\n\n| variant | of mode | predicted × stock: mean, p90 JCT, "
+          "TTFT p99 (median, range) | the mode's, predicted | hits predicted |\n|---|---|---|---|---|")
+    rows = {}
+    for name, v in tried.items():
+        mode, ref = v["mode"], _reference(v["mode"])
+        got = [ratio_spread(runs[name], name, ref, k) for k in RATIO_KEYS]
+        own = [ratio_spread(runs[mode], mode, ref, k)[0] for k in RATIO_KEYS]
+        span = " (" + ", ".join(f"{lo:.2f}-{hi:.2f}" for _, lo, hi in got) + ")" if ranges else ""
+        print(f"| {name} | {mode} | {', '.join(f'{med:.2f}' for med, _, _ in got)}{span} | "
+              f"{', '.join(f'{x:.2f}' for x in own)} | {pred[name]['across_turn_hit_rate']:.0%} |")
+        rows[name] = {"mode": mode, "env": v["env"], "predicted": [med for med, _, _ in got],
+                      "predicted_range": [[lo, hi] for _, lo, hi in got], "mode_predicted": own}
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("real", type=Path)
@@ -392,6 +447,9 @@ def main() -> None:
     ap.add_argument("--spread", type=int, default=5,
                     help="replays of the prediction, every step price scaled 1%% apart around the profile's; the "
                          "ratio is their median (odd; 1: one replay) [5]")
+    ap.add_argument("--try", dest="tries", action="append", default=[], metavar="NAME=MODE:env.KEY=V,...",
+                    help="also predict a node setting the sitting did not run, as the harness's --variant names it "
+                         f"(keys: env. with {', '.join(NODE_ENV)}); repeatable")
     ap.add_argument("--turns", metavar="MODE", help="compare one mode turn by turn with its mirror")
     ap.add_argument("--fit", type=Path, metavar="OUT",
                     help="with --turns: the fitted profiles of an earlier run on this report (its --json OUT)")
@@ -411,6 +469,8 @@ def main() -> None:
     if not any(m in modes for m in ("vanilla", "vanilla+host")):
         raise SystemExit(f"{a.real}: no vanilla or vanilla+host row to calibrate on")
     modes = [m for m in modes if _reference(m) in modes]  # a ratio needs its stock row from the same run
+    tried = _tries(a.tries, real, modes)
+    variants.update(tried)
     if a.turns is not None:
         if a.turns not in modes:
             raise SystemExit(f"--turns {a.turns}: not a mirrored mode of {a.real} (those: {', '.join(modes)})")
@@ -422,7 +482,7 @@ def main() -> None:
     fits: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for host in (False, True):
-            group = [m for m in modes if m.endswith("+host") == host]
+            group = [m for m in [*modes, *tried] if m.endswith("+host") == host]
             if not group:
                 continue
             if a.profile is not None:  # (fitted to the sitting's steps, or any other)
@@ -471,13 +531,14 @@ def main() -> None:
               f"{pred[m]['jct_mean_s']:.1f} / {pred[m]['jct_p90_s']:.1f} s | {r_meas[0]:.2f}, {r_meas[1]:.2f} | "
               f"{r_pred[0]:.2f}, {r_pred[1]:.2f}{ranges} | {err[0]:+.0%}, {err[1]:+.0%} | {tail} | "
               f"{meas[m]['across_turn_hit_rate']:.0%} / {pred[m]['across_turn_hit_rate']:.0%} |")
+    tried_rows = _print_tried(tried, runs, pred, len(factors) > 1)
     order_meas = sorted(modes, key=lambda m: (m.endswith("+host"), meas[m]["jct_mean_s"]))
     order_pred = sorted(modes, key=lambda m: (m.endswith("+host"), pred[m]["jct_mean_s"]))
     print(f"ranking by mean JCT, measured: {', '.join(order_meas)}\n"
           f"ranking by mean JCT, predicted: {', '.join(order_pred)} ({'same' if order_meas == order_pred else 'differs'})")
     if a.json_out:
         a.json_out.write_text(json.dumps({"profiles": fits, "rows": rows, "ranking_measured": order_meas,
-                                          "ranking_predicted": order_pred}, indent=1))
+                                          "ranking_predicted": order_pred, "tried": tried_rows}, indent=1))
 
 
 if __name__ == "__main__":

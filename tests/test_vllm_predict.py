@@ -4,6 +4,7 @@ each ratio the median of the replays (a mirror of hintflow's node is chaotic: on
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,23 @@ def test_the_fit_is_refined_between_the_grids_points() -> None:
     assert abs(math.log(b / target[0])) <= math.log(vp.PREFILL_STEP) / 8 + 1e-9
     assert abs(math.log(d / target[1])) <= math.log(vp.DECODE_STEP) / 8 + 1e-9
     assert len(evaluated) == len(vp.PREFILL_SCALE) * len(vp.DECODE_SCALE) + 9 * vp.REFINE_LEVELS
+
+
+def test_a_tried_setting_must_be_one_the_mirror_carries_on_a_mode_the_sitting_ran() -> None:
+    """``--try``: predicted only, so it must be a node setting the replay's node has (``NODE_ENV``) on a
+    mirrored mode with its stock row in the report; each mistake names what is wrong."""
+    vp = load_script("vllm_predict")
+    real: dict[str, dict[str, dict[str, float]]] = {"policies": {"vanilla+host": {}, "hintflow-infer+host": {}, "F1+host": {}}}
+    modes = ["vanilla+host", "hintflow-infer+host", "F1+host"]
+    got = vp._tries(["PB2+host=hintflow-infer+host:env.HINTFLOW_PIN_BUDGET=0.2"], real, modes)
+    assert got == {"PB2+host": {"mode": "hintflow-infer+host", "policy_options": {}, "env": {"HINTFLOW_PIN_BUDGET": "0.2"}}}
+    cases = {
+        "X+host=hintflow-infer+host:env.HINTFLOW_YIELD_PINS=head": "no equivalent of HINTFLOW_YIELD_PINS",
+        "X=hintflow-infer:env.HINTFLOW_PIN_BUDGET=0.2": "not a mirrored mode of this report",
+        "F1+host=hintflow-infer+host:env.HINTFLOW_PIN_BUDGET=0.2": "a mode the sitting ran",
+        "X+host=hintflow-infer+host:env.HINTFLOW_NOPE=1": "unknown option 'env.HINTFLOW_NOPE'",
+        "X=hintflow-infer+host:env.HINTFLOW_PIN_BUDGET=0.2": "'+host'",
+    }
+    for text, message in cases.items():
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            vp._tries([text], real, modes)
