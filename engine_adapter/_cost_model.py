@@ -108,7 +108,7 @@ class CostModel(BaseModel):
         dec_n = dec_ctx = 0
         for s in batch.seqs:
             n = len(s.token_ids)
-            if n == 1 and s.start_pos > 0:
+            if s.is_decode:
                 dec_n += 1
                 dec_ctx += s.start_pos + 1
             else:

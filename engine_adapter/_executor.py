@@ -100,6 +100,12 @@ class ScheduledSeq:
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token after a computed context: priced and run with the step's other decodes (one weight
+        read for all); anything else is a prefill chunk (the cost model, the torch executor, the step trace)."""
+        return len(self.token_ids) == 1 and self.start_pos > 0
+
 
 @dataclass
 class ScheduledBatch:

@@ -205,7 +205,7 @@ class TorchExecutor(BatchChecker):
         row = 0
         for s in seqs:
             n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
-            if n == 1 and s.start_pos > 0:
+            if s.is_decode:
                 dec_rows.append(row)
                 dec_tables.append(s.block_ids)
                 dec_lens.append(end)

@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine_adapter import (
     CostModel,
@@ -45,6 +46,7 @@ from engine_adapter import (
 )
 from replay._fast_forward import DecodeWindow, apply_bulk_step, plan_window, window_cut
 from replay._policies import ReplayConfig
+from replay._step_trace import SimStepTrace
 
 __all__ = ["NodeSpec", "NodeTotals", "SimNode", "build_nodes", "make_executor"]
 
@@ -67,6 +69,7 @@ class NodeSpec:
     ttft_deadline_s: float | None = None  # for the configs that take it (ReplayConfig.ttft_deadline)
     fast_forward: bool = True  # modeled nodes apply plain decode stretches as one event (same results)
     link_s_per_token: float | None = None  # moving KV between nodes (ReplayConfig.migrate); None: host copy rate
+    step_trace_dir: str | None = None  # each node writes its steps there, as a vLLM node does (_step_trace.py)
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class SimNode:
     _gen: int = 0
     _schedule: Schedule | None = None
     _on_step_end: Callable[[SimNode], None] | None = None
+    trace: SimStepTrace | None = None  # its steps, in the vLLM node's step-trace format
 
     @property
     def engine(self) -> EngineCore:
@@ -171,6 +175,8 @@ class SimNode:
             self.num_blocked_polls += 1  # as the serving loop does when idle with work waiting
             schedule(now + self.poll_s, lambda: self._start(schedule, on_step_end))
             return
+        if self.trace is not None:
+            self.trace.step(now, batch, eng)
         t0 = time.perf_counter()
         out = eng.executor.execute(batch)
         elapsed = self._elapsed = time.perf_counter() - t0 if self.measured else out.elapsed_s
@@ -286,7 +292,11 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
                             host_write_through=config.host_write_through, evict_queued=config.evict_queued,
                             host_lru=config.host_lru,
                             node_id=f"node-{i}")
-        node = SimNode(f"node-{i}", engine, cm, measured=spec.executor == "torch", fast_forward=spec.fast_forward)
+        traced = spec.step_trace_dir is not None
+        node = SimNode(f"node-{i}", engine, cm, measured=spec.executor == "torch",
+                       fast_forward=spec.fast_forward and not traced)  # a traced node writes every step
+        if spec.step_trace_dir is not None:
+            node.trace = SimStepTrace(Path(spec.step_trace_dir), config.name, i, node.address)
 
         def finish(req: Request, node: SimNode = node) -> None:
             node.finished.append(req)

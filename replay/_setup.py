@@ -97,6 +97,7 @@ class ReplaySetup:
     ttft_deadline_s: float | None = None  # hintflow's nodes: SchedulerConfig.ttft_deadline_s (off)
     torch_threads: int = 1  # torch intra-op threads while torch nodes run (cpu-tiny was fitted on 1)
     link_gb_per_s: float | None = None  # between nodes, for migrations (GB/s); None: the host copy rate
+    step_trace_dir: str | None = None  # each node writes its steps there, as a vLLM node does (_step_trace.py)
 
     def __post_init__(self) -> None:
         if self.host_memory not in HOST_MEMORY:
@@ -184,12 +185,12 @@ class ReplaySetup:
         link = self.link_s_per_token(cost_model)
         if self.executor == "modeled":
             return NodeSpec(device, self.host_capacity_tokens, cost_model, ttft_deadline_s=self.ttft_deadline_s,
-                            link_s_per_token=link)
+                            link_s_per_token=link, step_trace_dir=self.step_trace_dir)
         # the torch model's RoPE tables are max_model_len long: cover the longest request, no more
         bs = cost_model.block_size
         max_len = -(-(longest_request_tokens(programs) + bs) // bs) * bs
         return NodeSpec(device, self.host_capacity_tokens, cost_model, max_model_len=max_len, executor="torch",
-                        ttft_deadline_s=self.ttft_deadline_s, link_s_per_token=link)
+                        ttft_deadline_s=self.ttft_deadline_s, link_s_per_token=link, step_trace_dir=self.step_trace_dir)
 
 
 def longest_request_tokens(programs: Sequence[Program]) -> int:

@@ -129,13 +129,15 @@ at prefill x0.512 and decode x1 by the grid, prefill share 0.58 against the node
 0.52x measured; at x0.57 and x0.75, which fits stock as closely and the share to 0.65: 0.54x)."""
 
 
-def _setup(real: dict[str, Any], cost_model: str, *, host: bool = False) -> ReplaySetup:
-    """One node as the real one; ``host``: with the real run's host tier (its ``MODE+host`` modes)."""
+def _setup(real: dict[str, Any], cost_model: str, *, host: bool = False, trace: Path | None = None) -> ReplaySetup:
+    """One node as the real one; ``host``: with the real run's host tier (its ``MODE+host`` modes); ``trace``:
+    its steps written there, a directory per mode (``--step-trace``)."""
     cfg = real["config"]
     return ReplaySetup(workload=cfg["workload"], num_programs=cfg.get("num_programs"), rate=cfg.get("rate"),
                        scale=cfg.get("scale"), seed=cfg.get("seed", 0), num_nodes=1, cost_model=cost_model,
                        kv_capacity_tokens=cfg["kv_capacity_tokens"],
-                       host_capacity_tokens=(cfg.get("host_capacity_tokens") or 0) if host else 0)  # fmt: skip
+                       host_capacity_tokens=(cfg.get("host_capacity_tokens") or 0) if host else 0,
+                       step_trace_dir=None if trace is None else str(trace))  # fmt: skip
 
 
 def _admission(max_wait_s: str) -> str:
@@ -450,6 +452,9 @@ def main() -> None:
     ap.add_argument("--try", dest="tries", action="append", default=[], metavar="NAME=MODE:env.KEY=V,...",
                     help="also predict a node setting the sitting did not run, as the harness's --variant names it "
                          f"(keys: env. with {', '.join(NODE_ENV)}); repeatable")
+    ap.add_argument("--step-trace", type=Path, metavar="DIR",
+                    help="each mirror writes its steps to DIR/node.MODE/ in the vLLM node's step-trace format, for "
+                         "scripts/vllm_steps.py beside the sitting's own trace (the replay at the profile's prices)")
     ap.add_argument("--turns", metavar="MODE", help="compare one mode turn by turn with its mirror")
     ap.add_argument("--fit", type=Path, metavar="OUT",
                     help="with --turns: the fitted profiles of an earlier run on this report (its --json OUT)")
@@ -502,7 +507,7 @@ def main() -> None:
             replays = []
             for i, factor in enumerate(factors):
                 scaled = path if factor == 1.0 else _scaled_profile(path, factor, Path(tmp) / f"s{int(host)}-{i}.json")
-                got = _replay(_setup(real, scaled, host=host), specs)
+                got = _replay(_setup(real, scaled, host=host, trace=a.step_trace if factor == 1.0 else None), specs)
                 replays.append({m: got[n] for m, n in zip(group, names, strict=True)})
                 if factor == 1.0:
                     pred.update(replays[-1])
