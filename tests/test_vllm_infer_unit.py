@@ -11,6 +11,8 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import pytest
+
 from engine_adapter.vllm_backend._infer import SILENT_FACTOR, HintInference, infer_enabled
 from engine_adapter.vllm_backend._sessions import SessionBook
 
@@ -273,6 +275,9 @@ def test_with_a_host_tier_pins_are_priced_by_the_copy_back_alone() -> None:
     kw: dict = {"reload_s_per_token": 1e-4, "backlog_tokens": lambda: backlog[0]}
     inf = HintInference(book, host_reload_s_per_token=2e-6, **kw)
     assert inf.rule.queue_delay_s == 0.0
+    # what the node logs as T: the one that prices the share the tier does not give back (the backlog floor
+    # here), not the 0 of the share it does (the log said T=0.00s with every tier until 2026-12-07)
+    assert inf.priced_queue_delay_s == pytest.approx(50_000 * 1e-4)
     _turn(book, inf, "a", "r1", {"program_id": "a", "tool": "edit"})
     assert book.num_pinned_blocks == 0 and inf.inferred_pins == 0
     book2 = SessionBook(Pool(), 100, pin_budget_fraction=0.5, clock=Clock())

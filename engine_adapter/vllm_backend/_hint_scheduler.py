@@ -489,7 +489,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             extra = (
                 f" inferred_pins={inf.inferred_pins} renewals={inf.inferred_renewals}"
                 f" inferred_releases={inf.inferred_releases}"
-                f" T={inf.rule.queue_delay_s:.2f}s eta={inf.rule.eta:.2f} reload={inf.s_per_token * 1e6:.0f}us/tok"
+                f" T={inf.priced_queue_delay_s:.2f}s eta={inf.rule.eta:.2f} reload={inf.s_per_token * 1e6:.0f}us/tok"
             )
             if self.host_tier is not None:
                 extra += f" host_hit={inf.host_hit_fraction():.2f}"

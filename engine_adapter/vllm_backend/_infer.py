@@ -229,6 +229,14 @@ class HintInference:
         if s.program_start_s is None:
             s.program_start_s = p.first_seen_s  # program FCFS; a Priority hint overrides it
 
+    @property
+    def priced_queue_delay_s(self) -> float:
+        """The T this node's pins are priced with: with a host tier, the T of the share of a context its tier
+        does not give back (``HostTierTTL.queue_delay_s`` is 0 by design: the share that comes back is a
+        copy, not a queue), else Continuum's, at least the backlog floor. What the node's log line shows."""
+        rule = self.rule
+        return rule.miss_queue_delay_s() if isinstance(rule, HostTierTTL) else rule.queue_delay_s
+
     def on_admitted(self, s: VSession, queue_delay_s: float, kept: bool) -> None:
         """Continuum's T: how long turns whose context was not kept waited to be admitted."""
         st = self._session(s)
