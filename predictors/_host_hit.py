@@ -43,6 +43,11 @@ class TokenShare:
     def fraction(self) -> float:
         return self._got / self._needed if self._needed > 0 else self.default
 
+    def run_fraction(self) -> float:
+        """The share over every observation, undecayed (what a replay's report gives for a whole run);
+        ``default`` before any is seen."""
+        return self.total_got_tokens / self.total_tokens if self.total_tokens > 0 else self.default
+
 
 class HostHitShare(TokenShare):
     """Token-weighted share of evicted contexts that came back from the host tier (1 before any is seen:

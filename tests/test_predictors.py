@@ -363,6 +363,9 @@ def test_prefill_share_splits_steps_by_what_a_decode_step_alone_lasts() -> None:
     keep.observe(1000, 5000)  # a hit longer than the history counts as all of it
     assert keep.fraction() == pytest.approx((0.5 * 600 + 1000) / (0.5 * 1000 + 1000))
     assert keep.num_observed == 2
+    # over the whole run, undecayed (a replay's report gives this one): the early 60% weighs as much as the 100%
+    assert keep.run_fraction() == pytest.approx((600 + 1000) / 2000)
+    assert UnpinnedSurvival().run_fraction() == 0.0  # the default before any is seen, as fraction()
 
 
 def test_measured_price_caps_the_prefill_share_and_ignores_bad_readings() -> None:

@@ -492,10 +492,12 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 f" T={inf.priced_queue_delay_s:.2f}s eta={inf.rule.eta:.2f} reload={inf.s_per_token * 1e6:.0f}us/tok"
             )
             if self.host_tier is not None:
-                extra += f" host_hit={inf.host_hit_fraction():.2f}"
+                extra += f" host_hit={inf.host_hit_fraction():.2f} host_hit_run={self.host_hits.run_fraction():.2f}"
         # the measured pin price's readings (what the node reports as CacheState.prefill_share and
-        # unpinned_survival)
-        extra += f" prefill_share={self.prefill_share.fraction():.2f} unpinned_kept={self.unpinned_survival.fraction():.2f}"
+        # unpinned_survival: decayed, recent turns), and what the device kept unpinned over the whole run (the
+        # replay's report gives that one, unpinned_kept_rate)
+        extra += (f" prefill_share={self.prefill_share.fraction():.2f} unpinned_kept={self.unpinned_survival.fraction():.2f}"
+                  f" unpinned_kept_run={self.unpinned_survival.run_fraction():.2f}")
         if self.fcfs_bound.enabled:  # turns the FCFS bound moved to the front
             extra += f" fcfs_due={self.fcfs_bound.num_due}"
         a = self.admit_stats
