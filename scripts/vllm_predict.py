@@ -187,8 +187,18 @@ def _mirror(
 
 NODE_ENV = ("HINTFLOW_ADMIT_GUARD", "HINTFLOW_ADMIT_MAX_WAIT_S", "HINTFLOW_ADMIT_FRACTION",
             "HINTFLOW_TTFT_DEADLINE_S", "HINTFLOW_PRIORITY_AGING_S", "HINTFLOW_PIN_BUDGET", "HINTFLOW_WARM_FIRST",
-            "HINTFLOW_WARM_THRESHOLD_TOKENS", "HINTFLOW_FCFS_SLACK")
+            "HINTFLOW_WARM_THRESHOLD_TOKENS", "HINTFLOW_FCFS_SLACK", "HINTFLOW_YIELD_PINS")
 """The node settings (``--variant NAME=MODE:env.KEY=V``) the replay's node has an equivalent of."""
+
+
+def _unmirrored(env: dict[str, str]) -> list[str]:
+    """A variant's node settings the replay's node has no equivalent of: keys outside ``NODE_ENV``, and
+    ``HINTFLOW_YIELD_PINS=head`` (pins yield to the queue's head only; the replay's node yields for every
+    turn it tries, as the vLLM node's default does)."""
+    out = sorted(set(env) - set(NODE_ENV))
+    if env.get("HINTFLOW_YIELD_PINS", "").strip().lower() == "head":
+        out.append("HINTFLOW_YIELD_PINS=head")
+    return out
 
 
 def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
@@ -217,6 +227,8 @@ def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
     deadline = env.get("HINTFLOW_TTFT_DEADLINE_S")
     if deadline is not None and math.isfinite(float(deadline)):
         keys["scheduler.ttft_deadline_s"] = deadline
+    if env.get("HINTFLOW_YIELD_PINS", "1").strip().lower() in ("0", "false", "no", "off"):
+        keys["yield_pins"] = "false"  # (``head`` is not mirrored: ``_unmirrored``)
     slack = env.get("HINTFLOW_FCFS_SLACK")
     if slack is not None:
         keys.pop("scheduler.fcfs_slack", None)
@@ -393,7 +405,7 @@ def _tries(texts: list[str], real: dict[str, Any], modes: list[str]) -> dict[str
             raise SystemExit(str(e).replace("--variant", "--try", 1)) from None
         earlier.append(v)
         env = dict(v.env)
-        unmirrored = sorted(set(env) - set(NODE_ENV))
+        unmirrored = _unmirrored(env)
         if unmirrored or v.policy_options:
             what = ", ".join([*unmirrored, *(f"policy.{k}" for k, _ in v.policy_options)])
             raise SystemExit(f"--try {text!r}: the mirror has no equivalent of {what} (it mirrors env. {', '.join(NODE_ENV)})")
@@ -467,7 +479,7 @@ def main() -> None:
             raise SystemExit(f"--node-prefill-share {item!r}: expected MODE=SHARE with a mode of {a.real}")
         real["policies"][mode]["node_prefill_share"] = float(value)
     variants = {name: v for name, v in real["config"].get("variants", {}).items()
-                if set(v.get("env") or {}) <= set(NODE_ENV)}
+                if not _unmirrored(v.get("env") or {})}
     for name in sorted(set(real["config"].get("variants", {})) - set(variants)):
         print(f"{name}: a variant of node settings the replay has no equivalent of (env.*), not mirrored")
     modes = [m for m in real["policies"] if m.removesuffix("+host") in MIRRORS or m in variants]

@@ -91,3 +91,16 @@ def test_a_tried_setting_must_be_one_the_mirror_carries_on_a_mode_the_sitting_ra
     for text, message in cases.items():
         with pytest.raises(SystemExit, match=re.escape(message)):
             vp._tries([text], real, modes)
+
+
+def test_pins_that_never_yield_are_mirrored_and_yielding_to_the_head_alone_is_not() -> None:
+    """``HINTFLOW_YIELD_PINS=0`` is the replay node's ``yield_pins=false`` (the mirror yields by default, as the
+    node does); ``head`` has no equivalent, so a sitting's variant with it is not mirrored."""
+    vp = load_script("vllm_predict")
+    off = {"mode": "hintflow-infer+host", "policy_options": {}, "env": {"HINTFLOW_YIELD_PINS": "0"}}
+    default = {"mode": "hintflow-infer+host", "policy_options": {}, "env": {}}
+    keys = [vp._variant_mirror("V+host", v, "evict", None).partition(":")[2].split(",") for v in (off, default)]
+    assert "yield_pins=false" in keys[0] and "yield_pins=true" not in keys[0]
+    assert "yield_pins=true" in keys[1]
+    assert vp._unmirrored({"HINTFLOW_YIELD_PINS": "0"}) == []
+    assert vp._unmirrored({"HINTFLOW_YIELD_PINS": "head", "HINTFLOW_NOPE": "1"}) == ["HINTFLOW_NOPE", "HINTFLOW_YIELD_PINS=head"]
