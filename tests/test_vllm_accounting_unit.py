@@ -225,3 +225,27 @@ def test_host_tier_loads_are_host_hits() -> None:
     assert (acct.device_hit_tokens, acct.host_hit_tokens, acct.computed_tokens) == (128, 384, 88)
     acct.on_scheduled(Req("r2", list(range(600)), arrival_time=wall.t), 128, None, host_hit_tokens=999)
     assert acct.host_hit_tokens == 384 + 128  # never more than the hits
+
+
+def test_recomputed_tokens_are_told_apart_by_why_the_context_was_not_there() -> None:
+    """What the turn lost while it queued (cached when it arrived, gone when vLLM scheduled it) is
+    ``queued``; the rest goes to its session's pause fate at arrival. The causes add up to the recomputed
+    tokens, and the log line gives their shares, largest first."""
+    acct = RequestAccounting(wall_clock=Wall())
+    s = _session()
+    first = Req("r1", list(range(1000)), arrival_time=0.0)
+    acct.on_scheduled(first, 0, s)
+    _finish(acct, first, s, [1])
+    assert acct.lost_by == {} and acct.lost_shares() == "-"
+    # arrived with 896 of its 1,000-token history cached, found 384 when scheduled: 512 lost queued,
+    # 104 (the unfilled last block and what the pause took) to the pin's fate
+    second = Req("r2", [*range(1000), *range(7000, 7100)], arrival_time=0.0)
+    acct.on_scheduled(second, 384, s, arrival=("yielded", 896))
+    assert acct.lost_by == {"queued": 512, "yielded": 104}
+    _finish(acct, second, s, [2])
+    third = Req("r3", [*range(1000), *range(7000, 7100), *range(9000, 9050)], arrival_time=0.0)
+    acct.on_scheduled(third, 0, s, arrival=None)  # not known: all to "unpinned"
+    assert acct.lost_by == {"queued": 512, "yielded": 104, "unpinned": 1100}
+    assert sum(acct.lost_by.values()) == acct.recomputed_tokens
+    assert acct.lost_shares() == "unpinned:0.64,queued:0.30,yielded:0.06"
+    assert acct.snapshot().lost_by == acct.lost_by and acct.snapshot().lost_by is not acct.lost_by

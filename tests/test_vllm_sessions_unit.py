@@ -123,3 +123,38 @@ def test_drop_all_pins_lets_every_pin_go_deferred_ones_too() -> None:
     assert book.num_pinned_blocks == 0 and all(x.ref_cnt == 0 for x in blocks)
     assert a.pin_deadline_s is None and b.pin_deadline_s is None
     book.check_invariants()
+
+
+def test_each_pause_ends_with_the_fate_of_its_pin() -> None:
+    """``pause_fate``: what became of the context since the turn ended, read when the next turn arrives
+    (the accounting tells recomputed tokens apart by it): a pin held whole, clamped by the budget, yielded,
+    dropped by the deadlock rule, lapsed, or none."""
+    book, _, clock = _book()  # budget: 50 of 100 blocks
+    a, _ = _finished_turn(book, "a", "r1")
+    assert a.pause_fate == "unpinned"  # no pin asked
+    book.set_pin(a, 10.0)
+    assert a.pause_fate == "pinned"
+    big, _ = _finished_turn(book, "big", "r2", n=60)
+    book.set_pin(big, 10.0)  # 46 of its 60 blocks fit beside a's 4
+    assert big.pause_fate == "clamped" and book.num_pinned_blocks == 50
+    full, _ = _finished_turn(book, "full", "r3")
+    book.set_pin(full, 10.0)  # nothing left in the budget
+    assert full.pause_fate == "clamped" and not full.held
+    book.drop_pin(big, yielded=True)
+    assert big.pause_fate == "yielded"
+    book.set_pin(a, 0.0)  # taken back (a zero TTL)
+    assert a.pause_fate == "unpinned"
+    clock.t += 0.1
+    c, _ = _finished_turn(book, "c", "r4")  # the latest program seen
+    book.set_pin(c, 5.0)
+    assert book.force_unpin_latest() and c.pause_fate == "forced"  # c is the latest program pinned
+    d, _ = _finished_turn(book, "d", "r5")
+    book.set_pin(d, 1.0)
+    clock.t += 2.0
+    book.expire()
+    assert d.pause_fate == "expired"
+    # a turn that ends starts a new pause: its pin (granted at the end) decides again
+    book.on_request_added(d, "r6")
+    book.on_admitted(d, "r6")
+    book.on_request_finished(d, "r6", [Blk(next(_ids), block_hash=("d", "r6", i)) for i in range(4)])
+    assert d.pause_fate == "unpinned"

@@ -15,6 +15,11 @@ output tokens are neither history nor recomputed. vLLM folds a KV connector's lo
 count; with hintflow's host tier (``_host_connector``) the scheduler passes the tokens it loaded for the
 request, which are ``host_hit``; the rest of the hits are ``device_hit``.
 
+The recomputed tokens are told apart by why the context was not there (``lost_by``): ``queued``, what the
+device or host tier still held when the turn arrived and lost while it waited; the rest by what became of
+the session's pin in the pause before (``_sessions.PAUSE_FATES``: yielded, clamped by the pin budget, ...).
+The node's 10 s log line gives their shares (``lost=``): the rule that loses most is the one to tune.
+
 Time to first token and queue wait are measured from the request's ``arrival_time`` (wall time, set by
 vLLM's front end) to the step that scheduled it and to the step whose output held its first token, in
 the engine core, as the embedded engine measures them in its own.
@@ -103,16 +108,20 @@ class RequestAccounting:
     recomputed_tokens: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
     queue_wait: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    lost_by: dict[str, int] = field(default_factory=dict)  # recomputed tokens by cause (module docstring)
     wall_clock: Callable[[], float] = time.time  # requests' arrival_time is wall time
     _scheduled: set[str] = field(default_factory=set)  # request ids accounted (first scheduling seen)
     _first_token: dict[str, Any] = field(default_factory=dict)  # request id -> request without output yet
 
     def on_scheduled(
-        self, request: Any, hit_tokens: int, session: VSession | None, host_hit_tokens: int = 0
+        self, request: Any, hit_tokens: int, session: VSession | None, host_hit_tokens: int = 0,
+        arrival: tuple[str, int] | None = None,
     ) -> int | None:
         """vLLM scheduled ``request`` as a new one, with ``hit_tokens`` found cached (``host_hit_tokens``
         of them loaded from the host tier); returns the tokens of its prompt the session's last turn had
-        (its history), or None when it was counted before.
+        (its history), or None when it was counted before. ``arrival``: the session's ``pause_fate`` and
+        the prompt tokens found cached when the request arrived (None: not known, all lost to the fate
+        ``unpinned``).
 
         Only the first time counts: vLLM's V2 model runner lists resumed (preempted) requests as new too.
         """
@@ -132,6 +141,12 @@ class RequestAccounting:
         self.across_turn_hit_tokens += across_hit
         self.within_turn_hit_tokens += hit_tokens - across_hit
         self.recomputed_tokens += history - across_hit
+        if history > across_hit:
+            fate, cached_then = arrival if arrival is not None else ("unpinned", 0)
+            queued = max(0, min(cached_then, history) - across_hit)
+            for cause, n in (("queued", queued), (fate, history - across_hit - queued)):
+                if n:
+                    self.lost_by[cause] = self.lost_by.get(cause, 0) + n
         self.queue_wait.observe(max(0.0, self.wall_clock() - request.arrival_time))
         self._first_token[request.request_id] = request
         return history
@@ -139,8 +154,17 @@ class RequestAccounting:
     def snapshot(self) -> RequestAccounting:
         """The counters and histograms as they are now (a scrape takes it under the scheduler's lock)."""
         return replace(
-            self, ttft=self.ttft.copy(), queue_wait=self.queue_wait.copy(), _scheduled=set(), _first_token={}
+            self, ttft=self.ttft.copy(), queue_wait=self.queue_wait.copy(), lost_by=dict(self.lost_by),
+            _scheduled=set(), _first_token={},
         )
+
+    def lost_shares(self) -> str:
+        """``cause:share`` of the recomputed tokens, largest first (the log line's ``lost=``; ``-``: none)."""
+        total = sum(self.lost_by.values())
+        if not total:
+            return "-"
+        ranked = sorted(self.lost_by.items(), key=lambda kv: -kv[1])
+        return ",".join(f"{cause}:{n / total:.2f}" for cause, n in ranked)
 
     def after_step(self) -> None:
         """A step's output was applied: requests that now have an output token had their first one."""

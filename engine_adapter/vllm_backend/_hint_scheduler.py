@@ -145,6 +145,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.accounting = RequestAccounting()  # per-request hintflow_* series (_accounting, _metrics)
         self._client_priority: dict[str, int] = {}
         self._req_start: dict[str, float] = {}  # request -> when it arrived (book clock), for its aging
+        # request -> (its session's pause_fate, prompt tokens cached) when it arrived: what it lost while it
+        # queued is told from what the pause lost (RequestAccounting.lost_by)
+        self._arrival: dict[str, tuple[str, int]] = {}
         self._warned: set[str] = set()  # log-once keys (bad ids, a failed priority mapping)
         self.node_id = os.environ.get("HINTFLOW_NODE_ID", "vllm")
         self.node_epoch = new_node_epoch()  # this life of the node (hints for an earlier one are refused)
@@ -262,6 +265,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     self.infer.on_request(s, extra)
                 self._req_session[request.request_id] = s
                 self._client_priority[request.request_id] = request.priority
+                self._arrival[request.request_id] = (s.pause_fate, self._cached_tokens(request))
                 request.priority = self._safe_priority(s, request.priority, request.request_id, request)
             if self.fcfs_bound.enabled and request.request_id not in self.requests:
                 own = request.num_tokens - self._cached_tokens(request)
@@ -437,7 +441,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 req = self.requests.get(new.req_id)
                 if req is not None:  # hits: the prefix lookup, before this step's tokens are added
                     host = self.host_tier.step_loaded_tokens.get(new.req_id, 0) if self.host_tier else 0
-                    history = self.accounting.on_scheduled(req, new.num_computed_tokens, s, host)
+                    history = self.accounting.on_scheduled(
+                        req, new.num_computed_tokens, s, host, self._arrival.pop(new.req_id, None)
+                    )
                     if history and self.host_tier is not None:
                         self.host_hits.observe(history, new.num_computed_tokens - host, host)
                     if history and s is not None and not s.held:  # what the device kept with no pin
@@ -500,6 +506,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                   f" unpinned_kept_run={self.unpinned_survival.run_fraction():.2f}")
         if self.fcfs_bound.enabled:  # turns the FCFS bound moved to the front
             extra += f" fcfs_due={self.fcfs_bound.num_due}"
+        # the recomputed tokens' shares by why the context was not there (RequestAccounting.lost_by)
+        extra += f" lost={self.accounting.lost_shares()}"
         a = self.admit_stats
         log.info(
             "hintflow: pinned_blocks=%d sessions=%d expiries=%d clamps=%d forced_unpins=%d yielded=%d grace=%d%s"
@@ -544,6 +552,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         s = self._req_session.pop(request.request_id, None)
         self._client_priority.pop(request.request_id, None)
         self._req_start.pop(request.request_id, None)
+        self._arrival.pop(request.request_id, None)
         self._overdue.discard(request.request_id)
         self.fcfs_bound.forget(request.request_id)
         self._admit_reason.pop(request.request_id, None)  # (aborted before vLLM scheduled it)

@@ -32,7 +32,14 @@ from engine_adapter._pin_order import deadlock_victims, program_start
 
 from ._free_queue import Block, place_by_next_use
 
-__all__ = ["PinResult", "SessionBook", "VSession", "session_start"]
+__all__ = ["PAUSE_FATES", "PinResult", "SessionBook", "VSession", "session_start"]
+
+PAUSE_FATES = ("pinned", "clamped", "yielded", "forced", "expired", "unpinned")
+"""What became of a session's context in the pause since its last turn (``VSession.pause_fate``): held whole
+by a pin until now; a pin the budget let hold only a prefix, or nothing; a pin dropped for an older
+program's waiting turn, or by the deadlock rule; a lease that ran out; or no pin at all (none inferred or
+hinted, a zero TTL, or an explicit pin taken back). Why the node keeps it: a returning turn's recomputed
+tokens are told apart by it (``_accounting.RequestAccounting.lost_by``), which says which rule to tune."""
 
 IDLE_FORGET_S = 3600.0
 """A session with no request, pin or hint for this long is forgotten (its blocks are vLLM's again)."""
@@ -57,6 +64,7 @@ class VSession:
     released: bool = False
     pin_hinted_s: float | None = None  # when the orchestrator last sent this session a Pin (grace_hold)
     context: array[int] = field(default_factory=lambda: array("q"))  # tokens the last turn computed
+    pause_fate: str = "unpinned"  # what became of its context since its last turn (PAUSE_FATES)
 
     @property
     def waiting(self) -> bool:
@@ -186,6 +194,7 @@ class SessionBook:
         s.snapshot = [(b, b.block_hash) for b in prefix]
         self._unpin(s)  # an old hold (two turns in flight at once): the new turn's blocks replace it
         keep = 0
+        s.pause_fate = "unpinned"
         if not s.released and s.pin_deadline_s is not None and s.pin_deadline_s > self.clock():
             keep = self._grant(s, prefix, already_referenced=owned).pinned_blocks
         if owned:
@@ -215,6 +224,7 @@ class SessionBook:
         if ttl_s <= 0:
             s.pin_deadline_s = None
             self._unpin(s)
+            s.pause_fate = "unpinned"
             return PinResult(0, 0)
         self.leases.grant(s, self.clock(), ttl_s)
         if s.live:
@@ -244,6 +254,7 @@ class SessionBook:
         grant = PinResult(len(s.held), len(prefix))
         if grant.clamped:
             self.stats.pin_clamps += 1
+        s.pause_fate = "clamped" if grant.clamped else "pinned" if s.held else "unpinned"
         return grant
 
     def _unpin(self, s: VSession) -> None:
@@ -262,6 +273,7 @@ class SessionBook:
         n = sum(1 for b in s.held if self.leases.pins_on(b.block_id) == 1)
         s.pin_deadline_s = None
         self._unpin(s)
+        s.pause_fate = "yielded" if yielded else "unpinned"
         if yielded:
             self.stats.yielded_pins += 1
         return n
@@ -284,6 +296,7 @@ class SessionBook:
         for s in victims:
             s.pin_deadline_s = None
             self._unpin(s)
+            s.pause_fate = "forced"
         if not victims:
             return False
         self.stats.forced_unpins += 1
@@ -307,6 +320,7 @@ class SessionBook:
             self.stats.pin_expiries += 1  # every lease that ran out, held blocks or not (as the embedded node)
             if s.held:
                 self._unpin(s)
+                s.pause_fate = "expired"
                 changed = True
         if now >= self._next_sweep_s:
             self._next_sweep_s = now + 60.0
