@@ -74,6 +74,9 @@ if TYPE_CHECKING:
         KVCacheManager,
         KVStats,
     )
+    from engine_adapter._lost_context import (
+        LOST_CAUSES,
+    )
     from engine_adapter._metrics import (
         EngineMetrics,
     )
@@ -140,6 +143,7 @@ _LAZY: dict[str, str] = {
     "VirtualClock": "engine_adapter._executor",
     "KVCacheManager": "engine_adapter._kv_manager",
     "KVStats": "engine_adapter._kv_manager",
+    "LOST_CAUSES": "engine_adapter._lost_context",
     "EngineMetrics": "engine_adapter._metrics",
     "ModeledExecutor": "engine_adapter._modeled_executor",
     "fit_nonneg": "engine_adapter._profile",
@@ -159,6 +163,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "EVICTION_POLICIES",
+    "LOST_CAUSES",
     "BlockPool",
     "ConfigError",
     "ContextData",

@@ -190,6 +190,7 @@ class KVCacheManager(HostTier):
         now = self.clock.now()
         s.state = SessionState.PARKED
         s.last_used_s = now
+        s.pause_fate = "unpinned"  # a new pause: its pin, if any, is granted below
         if s.next_use_deadline_s is not None and s.next_use_deadline_s <= now:
             s.next_use_deadline_s = None  # the predicted use happened
         keep = -(-len(s.token_ids) // self.block_size)
@@ -329,6 +330,8 @@ class KVCacheManager(HostTier):
         changed = False
         # (a session whose next turn is queued keeps its lease: the pin is consumed at admission instead)
         for s in self.leases.lapsed(now, self.sessions.get, lambda x: x.state is SessionState.WAITING):
+            if s.pinned_blocks:
+                s.pause_fate = "expired"
             self._unpin(s)
             s.pin_deadline_s = None
             self.stats.pin_expiries += 1

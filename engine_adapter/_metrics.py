@@ -29,6 +29,8 @@ from prometheus_client.registry import Collector
 
 from hints import HintDecodeError, HintModel, HintResult
 
+from ._lost_context import LOST_METRIC
+
 if TYPE_CHECKING:
     from ._engine import EngineCore
     from ._executor import ScheduledBatch, StepOutput
@@ -106,6 +108,7 @@ class _ScrapeCollector(Collector):
         yield from gauges
         yield from counters
         yield CounterMetricFamily(*self._ADMISSIONS, labels=["model_name", "reason"])
+        yield CounterMetricFamily(*LOST_METRIC, labels=["model_name", "cause"])
 
     def collect(self) -> Iterator[Metric]:
         core = self.core
@@ -136,6 +139,7 @@ class _ScrapeCollector(Collector):
                 sched.admit_stats["held"],
             )
             admitted = {k: v for k, v in sched.admit_stats.items() if k != "held"}
+            lost_by = dict(st.lost_by)
         gauges, counters = self._families()
         label = [core.model_name]
         families: list[GaugeMetricFamily | CounterMetricFamily] = [*gauges, *counters]
@@ -146,6 +150,10 @@ class _ScrapeCollector(Collector):
         for reason, n in sorted(admitted.items()):
             adm.add_metric([core.model_name, reason], float(n))
         yield adm
+        lost = CounterMetricFamily(*LOST_METRIC, labels=["model_name", "cause"])
+        for cause, n in sorted(lost_by.items()):
+            lost.add_metric([core.model_name, cause], float(n))
+        yield lost
 
 
 class EngineMetrics:

@@ -53,6 +53,9 @@ class Request:
     num_history_tokens: int = 0
     num_recomputed_tokens: int = 0  # history computed again, plus what a preemption lost and redid
     num_computed_at_preemption: int = 0
+    # its session's pause fate and the prompt tokens found cached when it arrived (``Scheduler.add``; what
+    # it then loses while it waits is ``queued``: _lost_context)
+    arrival: tuple[str, int] | None = None
     is_first_turn: bool = False
     first_scheduled_s: float | None = None
     first_token_s: float | None = None

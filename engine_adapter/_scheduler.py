@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ._executor import Clock, ScheduledBatch, ScheduledSeq, StepOutput
 from ._fcfs_bound import FcfsBound
 from ._kv_manager import KVCacheManager
+from ._lost_context import split_lost
 from ._program_admission import (
     ADMIT_HORIZON_S,
     InFlight,
@@ -134,10 +135,13 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         req._seq = next(self._seq)
         self.requests[req.request_id] = req
+        # what became of the context in the pause, and what of it is still here (the plan is the memo's:
+        # the first admission pass reuses it while nothing changes)
+        s = req.session
+        req.arrival = (s.pause_fate, self.kv.plan_prefix(s, req.tokens, req._plan_memo).num_hit_tokens)
         if req.session.state is SessionState.PARKED:
             self.kv.set_waiting(req.session)
         if self.fcfs_bound.enabled:
-            s = req.session
             own = req.num_tokens - s.num_device_tokens - s.num_host_tokens
             self.fcfs_bound.arrived(req.request_id, self.prefill_backlog_tokens(), own)
         self._enqueue(req)
@@ -339,6 +343,10 @@ class Scheduler:
                 req.num_cached_tokens = plan.num_cached_tokens
                 req.num_host_hit_tokens = plan.num_host_tokens
                 req.num_recomputed_tokens = max(0, req.num_history_tokens - plan.num_hit_tokens)
+                fate, cached_then = req.arrival or ("unpinned", 0)
+                lost_by = self.kv.stats.lost_by
+                for cause, n in split_lost(req.num_history_tokens, plan.num_hit_tokens, fate, cached_then):
+                    lost_by[cause] = lost_by.get(cause, 0) + n
             else:  # back after a preemption: what it had computed and lost since is computed again
                 req.num_recomputed_tokens += max(0, req.num_computed_at_preemption - plan.num_hit_tokens)
             req.num_computed = len(s.token_ids)

@@ -42,6 +42,7 @@ class Session:
     expected_output_tokens: int | None = None
     num_turns: int = 0
     released: bool = False
+    pause_fate: str = "unpinned"  # what became of its context since its last turn (_lost_context.PAUSE_FATES)
     # Bumped by the KV manager on every change to token_ids, block_ids, block_hashes or host_block_ids:
     # a PlanMemo's plan over them is stale once it moves.
     epoch: int = 0

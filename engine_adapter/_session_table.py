@@ -9,7 +9,7 @@ lifecycle (attach, run, park, free) on top.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from predictors import HostHitShare, UnpinnedSurvival
 
@@ -59,6 +59,7 @@ class KVStats:
     yielded_pins: int = 0  # dropped so that an older program's waiting turn fits (see yield_pin_to)
     prefetched_blocks: int = 0
     skipped_prefetches: int = 0  # due while a queued turn waited for memory (see _prefetch)
+    lost_by: dict[str, int] = field(default_factory=dict)  # recomputed history tokens by cause (_lost_context)
 
 
 class SessionTable:
@@ -220,6 +221,7 @@ class SessionTable:
     def set_pin(self, s: Session, ttl_s: float) -> PinResult:
         if ttl_s <= 0:
             self._drop_pin(s)
+            s.pause_fate = "unpinned"
             return PinResult(0, 0)
         self.leases.grant(s, self.clock.now(), ttl_s)
         if s.state is not SessionState.PARKED:
@@ -238,6 +240,7 @@ class SessionTable:
         result = PinResult(j, want)
         if result.clamped:
             self.stats.pin_clamps += 1
+        s.pause_fate = "clamped" if result.clamped else "pinned" if j else "unpinned"
         return result
 
     def _unpin(self, s: Session) -> None:
@@ -258,6 +261,7 @@ class SessionTable:
         victims = deadlock_victims(self._pinned_sessions(), start=_start, seen=_seen, program=_program)
         for s in victims:
             self._drop_pin(s)
+            s.pause_fate = "forced"
         if not victims:
             return False
         self.stats.forced_unpins += 1
@@ -271,6 +275,7 @@ class SessionTable:
         if not order:
             return False
         self._drop_pin(order[0])
+        order[0].pause_fate = "yielded"
         self.stats.yielded_pins += 1
         return True
 

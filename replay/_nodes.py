@@ -138,7 +138,8 @@ class SimNode:
     def totals(self) -> NodeTotals:
         eng = self.engine
         kept = eng.kv.unpinned_survival
-        return NodeTotals(self.address, dataclasses.replace(eng.kv.stats),
+        stats = eng.kv.stats
+        return NodeTotals(self.address, dataclasses.replace(stats, lost_by=dict(stats.lost_by)),
                           eng.scheduler.num_preemptions, self.pinned_token_s, self.num_steps,
                           self.num_step_tokens, self.step_s, self.modeled_step_s,
                           eng.prefill_share.total_prefill_s, kept.total_got_tokens, kept.total_tokens)

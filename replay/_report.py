@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from engine_adapter import LOST_CAUSES
 from replay._setup import ReplaySetup
 from replay._sim import SimResult
 
@@ -92,6 +93,9 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "offloaded_blocks": sum(s.offloaded_blocks for s in stats),
         "reloaded_blocks": sum(s.reloaded_blocks for s in stats),
         "pin_expiries": sum(s.pin_expiries for s in stats),
+        # recomputed history by why the context was not there (engine_adapter/_lost_context.py; the vLLM
+        # node's log line gives the same split as lost=)
+        "lost_by": {c: n for c in LOST_CAUSES if (n := sum(s.lost_by.get(c, 0) for s in stats))},
         "num_programs": len(runs),
         "num_turns": len(turns),
         "makespan_s": result.makespan_s,

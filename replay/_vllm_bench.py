@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import socket
 import subprocess
@@ -199,6 +200,9 @@ def run_mode(
         if readings is not None:
             out.update(readings.stop())
             readings = None
+            lost = node_lost_shares(log.read_text(errors="replace")) if log.exists() else None
+            if lost is not None:
+                out["node_lost_by"] = lost
         dump = [{"program": r.program_id, "arrival_s": r.arrival_s, "jct_s": r.jct_s, "error": r.error,
                  "turns": [vars(t) for t in r.turns]} for r in results]  # fmt: skip
         (state / f"{label}.programs.json").write_text(json.dumps(dump))
@@ -214,6 +218,21 @@ def run_mode(
         stop_vllm(proc)
         if short_rpc is not None:
             shutil.rmtree(short_rpc, ignore_errors=True)
+
+
+def node_lost_shares(log_text: str) -> dict[str, float] | None:
+    """The shares of a hintflow node's recomputed history by cause, from the last ``lost=`` of its 10 s log
+    line (``RequestAccounting.lost_shares``; at most 10 s before the run's end); None when it logged none,
+    ``{}`` when nothing was recomputed."""
+    found = _LOST.findall(log_text)
+    if not found:
+        return None
+    if found[-1] == "-":
+        return {}
+    return {cause: float(share) for cause, _, share in (item.partition(":") for item in found[-1].split(","))}
+
+
+_LOST = re.compile(r"\blost=(\S+)")
 
 
 def vllm_counter(base: str, name: str) -> float | None:

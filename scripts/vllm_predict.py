@@ -20,7 +20,9 @@ spends the same share of its step time prefilling: several splits of a step betw
 the stock run's latencies alike, and the pin price (``measured_price``) depends on the split.
 Step 2 replays, with that cost model, one node configured as each real mode's node (``MIRRORS``) and
 prints each mode's ratio to stock vLLM, measured against predicted (mean and p90 JCT; the p99 TTFT beside
-them, shown, not scored), and whether the ranking agrees. It
+them, shown, not scored), whether the ranking agrees, and, for a mode whose report row has the node's
+``lost=`` reading (``node_lost_by``), where its recomputed history went by cause beside the mirror's
+(``engine_adapter/_lost_context.py``). It
 replays ``--spread`` times (5 by default), with every step price of the profile scaled 1% apart around it
 (0.98x to 1.02x), and predicts each ratio as the median, with the range: a mirror of hintflow's node is
 chaotic (which turn waits and which context survives turns on small differences in time), so one replay's
@@ -418,6 +420,28 @@ def _tries(texts: list[str], real: dict[str, Any], modes: list[str]) -> dict[str
     return out
 
 
+def lost_table(meas: dict[str, dict[str, Any]], pred: dict[str, dict[str, Any]], modes: list[str]) -> list[str]:
+    """Rows of where each mode's recomputed history went, node against mirror, in shares by cause (the
+    node's last ``lost=`` log reading, ``node_lost_by``, in reports since it was added; the mirror's
+    ``lost_by`` tokens): which rule loses the contexts the mirror keeps, or the other way round."""
+    rows = []
+    for m in modes:
+        node, mirror = meas[m].get("node_lost_by"), pred.get(m, {}).get("lost_by")
+        if node is None or not mirror:
+            continue
+        total = sum(mirror.values())
+        causes = sorted(set(node) | set(mirror), key=lambda c: -max(node.get(c, 0.0), mirror.get(c, 0) / total))
+        rows.append(f"{m}: " + ", ".join(f"{c} {node.get(c, 0.0):.2f} / {mirror.get(c, 0) / total:.2f}" for c in causes))
+    return rows
+
+
+def _print_lost(meas: dict[str, dict[str, Any]], pred: dict[str, dict[str, Any]], modes: list[str]) -> None:
+    rows = lost_table(meas, pred, modes)
+    if rows:
+        print("where the recomputed history went, share by cause, node / mirror (engine_adapter/_lost_context.py):")
+        print("\n".join(rows))
+
+
 def _print_tried(
     tried: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, dict[str, float]]]],
     pred: dict[str, dict[str, float]], ranges: bool,
@@ -548,6 +572,7 @@ def main() -> None:
               f"{pred[m]['jct_mean_s']:.1f} / {pred[m]['jct_p90_s']:.1f} s | {r_meas[0]:.2f}, {r_meas[1]:.2f} | "
               f"{r_pred[0]:.2f}, {r_pred[1]:.2f}{ranges} | {err[0]:+.0%}, {err[1]:+.0%} | {tail} | "
               f"{meas[m]['across_turn_hit_rate']:.0%} / {pred[m]['across_turn_hit_rate']:.0%} |")
+    _print_lost(meas, pred, modes)
     tried_rows = _print_tried(tried, runs, pred, len(factors) > 1)
     order_meas = sorted(modes, key=lambda m: (m.endswith("+host"), meas[m]["jct_mean_s"]))
     order_pred = sorted(modes, key=lambda m: (m.endswith("+host"), pred[m]["jct_mean_s"]))

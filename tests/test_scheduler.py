@@ -426,6 +426,18 @@ def test_pins_of_younger_programs_yield_to_an_older_programs_waiting_turn(yield_
     assert core.kv.stats.forced_unpins == 0
     core.run_until_idle()
     assert old.first_token_s is not None
+    # the young program comes back: what it recomputes is put down to what became of its pin
+    young = core.kv.sessions["young"]
+    back = core.submit([*young.token_ids, 5], 1, session_id="young")
+    core.run_until_idle()
+    assert back.num_recomputed_tokens > 0
+    cause = "yielded" if yield_pins else "forced"
+    assert set(core.kv.stats.lost_by) == {cause}
+    assert sum(core.kv.stats.lost_by.values()) == back.num_recomputed_tokens
+    metrics = EngineMetrics(core).registry  # the series the vLLM node exports too
+    lost = metrics.get_sample_value("hintflow_recomputed_tokens_by_cause_total",
+                                    {"model_name": core.model_name, "cause": cause})  # fmt: skip
+    assert lost == back.num_recomputed_tokens
     core.check_invariants()
 
 
@@ -691,4 +703,6 @@ def test_a_queued_turns_context_is_evicted_last_unless_evict_queued(evict_queued
     core.run_until_idle()
     # two blocks evicted: b's last two (LRU) with evict_queued, else a's (the parked one)
     assert resume.num_cached_tokens == (1 if evict_queued else 3) * bs
+    # b's context was whole when its turn arrived: what went, went while it queued (_lost_context)
+    assert core.kv.stats.lost_by == ({"queued": 2 * bs} if evict_queued else {})
     core.check_invariants()

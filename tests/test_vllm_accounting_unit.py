@@ -12,6 +12,7 @@ from array import array
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -198,6 +199,10 @@ def test_the_collector_exports_the_embedded_names_from_the_accounting() -> None:
     assert samples[("hintflow_queue_wait_seconds_bucket", "2.5")] == 2
     assert samples[("hintflow_queue_wait_seconds_bucket", "1.0")] == 1
     assert samples[("hintflow_time_to_first_token_seconds_count", "")] == 1
+    # the recomputed 44 by cause (no arrival known: put down to "unpinned"), as the embedded node labels them
+    assert 'hintflow_recomputed_tokens_by_cause_total{cause="unpinned",model_name="m"} 44.0' in generate_latest(
+        registry
+    ).decode()
     assert ("hintflow_kv_host_total_blocks", "") not in samples  # no host tier: no host series
 
     # with hintflow's host tier (_host_connector): its book's numbers, and host hits by source
@@ -249,3 +254,13 @@ def test_recomputed_tokens_are_told_apart_by_why_the_context_was_not_there() -> 
     assert sum(acct.lost_by.values()) == acct.recomputed_tokens
     assert acct.lost_shares() == "unpinned:0.64,queued:0.30,yielded:0.06"
     assert acct.snapshot().lost_by == acct.lost_by and acct.snapshot().lost_by is not acct.lost_by
+
+
+def test_a_split_caps_the_queued_part_and_names_an_unknown_fate() -> None:
+    from engine_adapter._lost_context import split_lost
+
+    assert split_lost(1000, 1000, "yielded", 1000) == []  # nothing recomputed
+    assert split_lost(1000, 0, "yielded", 4000) == [("queued", 1000)]  # all there at arrival, all lost waiting
+    assert split_lost(1000, 600, "clamped", 200) == [("clamped", 400)]  # less at arrival than at admission
+    with pytest.raises(ValueError, match="pause fate 'gone' is not one of"):
+        split_lost(10, 0, "gone", 0)

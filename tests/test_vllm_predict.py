@@ -104,3 +104,20 @@ def test_pins_that_never_yield_are_mirrored_and_yielding_to_the_head_alone_is_no
     assert "yield_pins=true" in keys[1]
     assert vp._unmirrored({"HINTFLOW_YIELD_PINS": "0"}) == []
     assert vp._unmirrored({"HINTFLOW_YIELD_PINS": "head", "HINTFLOW_NOPE": "1"}) == ["HINTFLOW_NOPE", "HINTFLOW_YIELD_PINS=head"]
+
+
+def test_the_nodes_lost_reading_is_set_beside_the_mirrors() -> None:
+    """The harness keeps a hintflow node's last ``lost=`` log reading (``node_lost_by``); the prediction prints
+    it beside the mirror's ``lost_by`` tokens as shares, largest cause first, for modes that have both."""
+    from replay._vllm_bench import node_lost_shares
+
+    log = ("... hintflow: pinned_blocks=3 lost=pinned:1.00 admit: ...\n"
+           "... hintflow: pinned_blocks=9 lost=queued:0.40,yielded:0.35,clamped:0.25 admit: ...\n")  # fmt: skip
+    assert node_lost_shares(log) == {"queued": 0.40, "yielded": 0.35, "clamped": 0.25}
+    assert node_lost_shares("hintflow: lost=- admit") == {} and node_lost_shares("no line yet") is None
+    vp = load_script("vllm_predict")
+    meas = {"h+host": {"node_lost_by": {"queued": 0.4, "yielded": 0.6}}, "vanilla+host": {}}
+    pred = {"h+host": {"lost_by": {"yielded": 300, "unpinned": 700}}, "vanilla+host": {"lost_by": {"queued": 5}}}
+    assert vp.lost_table(meas, pred, ["vanilla+host", "h+host"]) == [
+        "h+host: unpinned 0.00 / 0.70, yielded 0.60 / 0.30, queued 0.40 / 0.00"
+    ]

@@ -17,7 +17,7 @@ request, which are ``host_hit``; the rest of the hits are ``device_hit``.
 
 The recomputed tokens are told apart by why the context was not there (``lost_by``): ``queued``, what the
 device or host tier still held when the turn arrived and lost while it waited; the rest by what became of
-the session's pin in the pause before (``_sessions.PAUSE_FATES``: yielded, clamped by the pin budget, ...).
+the session's pin in the pause before (``engine_adapter._lost_context``: yielded, clamped by the pin budget, ...).
 The node's 10 s log line gives their shares (``lost=``): the rule that loses most is the one to tune.
 
 Time to first token and queue wait are measured from the request's ``arrival_time`` (wall time, set by
@@ -36,6 +36,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from engine_adapter._lost_context import lost_shares, split_lost
 
 from ._sessions import VSession
 
@@ -141,12 +143,9 @@ class RequestAccounting:
         self.across_turn_hit_tokens += across_hit
         self.within_turn_hit_tokens += hit_tokens - across_hit
         self.recomputed_tokens += history - across_hit
-        if history > across_hit:
-            fate, cached_then = arrival if arrival is not None else ("unpinned", 0)
-            queued = max(0, min(cached_then, history) - across_hit)
-            for cause, n in (("queued", queued), (fate, history - across_hit - queued)):
-                if n:
-                    self.lost_by[cause] = self.lost_by.get(cause, 0) + n
+        fate, cached_then = arrival if arrival is not None else ("unpinned", 0)
+        for cause, n in split_lost(history, hit_tokens, fate, cached_then):
+            self.lost_by[cause] = self.lost_by.get(cause, 0) + n
         self.queue_wait.observe(max(0.0, self.wall_clock() - request.arrival_time))
         self._first_token[request.request_id] = request
         return history
@@ -159,12 +158,8 @@ class RequestAccounting:
         )
 
     def lost_shares(self) -> str:
-        """``cause:share`` of the recomputed tokens, largest first (the log line's ``lost=``; ``-``: none)."""
-        total = sum(self.lost_by.values())
-        if not total:
-            return "-"
-        ranked = sorted(self.lost_by.items(), key=lambda kv: -kv[1])
-        return ",".join(f"{cause}:{n / total:.2f}" for cause, n in ranked)
+        """The log line's ``lost=`` (``_lost_context.lost_shares``)."""
+        return lost_shares(self.lost_by)
 
     def after_step(self) -> None:
         """A step's output was applied: requests that now have an output token had their first one."""

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine_adapter._lost_context import LOST_METRIC
 from hints import HintDecodeError, HintModel, HintResult
 
 from ._accounting import Histogram, RequestAccounting
@@ -210,6 +211,7 @@ def _request_families(model: str, acct: RequestAccounting | None) -> Iterator[Me
     wait = HistogramMetricFamily(
         "hintflow_queue_wait_seconds", "Arrival to first scheduled step.", labels=["model_name"]
     )
+    lost = CounterMetricFamily(*LOST_METRIC, labels=["model_name", "cause"])
     if acct is not None:
         sources = {"device_hit": acct.device_hit_tokens, "host_hit": acct.host_hit_tokens, "computed": acct.computed_tokens}
         for source, n in sources.items():
@@ -224,8 +226,11 @@ def _request_families(model: str, acct: RequestAccounting | None) -> Iterator[Me
             fam.add_metric([model], float(value))
         ttft.add_metric([model], acct.ttft.cumulative(), acct.ttft.sum)
         wait.add_metric([model], acct.queue_wait.cumulative(), acct.queue_wait.sum)
+        for cause, n in sorted(acct.lost_by.items()):
+            lost.add_metric([model, cause], float(n))
     yield prompt
     yield from counters
+    yield lost
     yield ttft
     yield wait
 

@@ -32,14 +32,7 @@ from engine_adapter._pin_order import deadlock_victims, program_start
 
 from ._free_queue import Block, place_by_next_use
 
-__all__ = ["PAUSE_FATES", "PinResult", "SessionBook", "VSession", "session_start"]
-
-PAUSE_FATES = ("pinned", "clamped", "yielded", "forced", "expired", "unpinned")
-"""What became of a session's context in the pause since its last turn (``VSession.pause_fate``): held whole
-by a pin until now; a pin the budget let hold only a prefix, or nothing; a pin dropped for an older
-program's waiting turn, or by the deadlock rule; a lease that ran out; or no pin at all (none inferred or
-hinted, a zero TTL, or an explicit pin taken back). Why the node keeps it: a returning turn's recomputed
-tokens are told apart by it (``_accounting.RequestAccounting.lost_by``), which says which rule to tune."""
+__all__ = ["PinResult", "SessionBook", "VSession", "session_start"]
 
 IDLE_FORGET_S = 3600.0
 """A session with no request, pin or hint for this long is forgotten (its blocks are vLLM's again)."""
@@ -64,7 +57,7 @@ class VSession:
     released: bool = False
     pin_hinted_s: float | None = None  # when the orchestrator last sent this session a Pin (grace_hold)
     context: array[int] = field(default_factory=lambda: array("q"))  # tokens the last turn computed
-    pause_fate: str = "unpinned"  # what became of its context since its last turn (PAUSE_FATES)
+    pause_fate: str = "unpinned"  # what became of its context since its last turn (_lost_context.PAUSE_FATES)
 
     @property
     def waiting(self) -> bool:
