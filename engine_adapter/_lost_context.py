@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["LOST_CAUSES", "LOST_METRIC", "PAUSE_FATES", "lost_shares", "split_lost"]
+__all__ = ["LOST_CAUSES", "LOST_METRIC", "PAUSE_FATES", "after_grant", "after_unpin", "lost_shares", "split_lost"]
 
 PAUSE_FATES = ("pinned", "clamped", "yielded", "forced", "expired", "unpinned")
 """What became of a session's context in the pause since its last turn (see the module docstring)."""
 
 LOST_CAUSES = ("queued", *PAUSE_FATES)
+
+_LOSSES = frozenset({"clamped", "yielded", "forced", "expired"})
+"""Fates that record an event that let the context go: a later pin in the same pause does not undo it (a
+policy renewing a lapsed lease pins what is left, which is not the context the pause began with)."""
 
 LOST_METRIC = (
     "hintflow_recomputed_tokens_by_cause_total",
@@ -31,6 +35,21 @@ LOST_METRIC = (
     " pause's pin fate (pinned, clamped, yielded, forced, expired, unpinned).",
 )
 """The Prometheus counter both nodes export, labelled ``cause`` (a preemption's redo is not in it)."""
+
+
+def after_grant(fate: str, *, whole: bool, clamped: bool, held: bool) -> str:
+    """The pause's fate once a pin is granted: a loss recorded earlier stays; a context that already lost
+    blocks with no pin stays ``unpinned``; else ``clamped`` if the budget cut the pin, ``pinned`` if it
+    holds blocks. ``whole``: nothing of the context had gone when the pin came."""
+    if fate in _LOSSES or not whole:
+        return fate
+    return "clamped" if clamped else "pinned" if held else fate
+
+
+def after_unpin(fate: str) -> str:
+    """The pause's fate once its pin is taken back (a zero TTL, an explicit hint replacing an inferred pin):
+    ``unpinned`` from now on, unless a loss was recorded earlier."""
+    return fate if fate in _LOSSES else "unpinned"
 
 
 def split_lost(history: int, hit: int, fate: str, cached_at_arrival: int) -> list[tuple[str, int]]:

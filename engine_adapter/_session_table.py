@@ -16,6 +16,7 @@ from predictors import HostHitShare, UnpinnedSurvival
 from ._block_pool import NONE_HASH, BlockPool, hash_block_tokens
 from ._eviction import SessionHeap, get_eviction_policy
 from ._executor import Clock, CopyOp
+from ._lost_context import after_grant, after_unpin
 from ._pin_lease import PinLeases
 from ._pin_order import deadlock_victims, program_start, yield_order
 from ._session import Session, SessionState
@@ -221,7 +222,7 @@ class SessionTable:
     def set_pin(self, s: Session, ttl_s: float) -> PinResult:
         if ttl_s <= 0:
             self._drop_pin(s)
-            s.pause_fate = "unpinned"
+            s.pause_fate = after_unpin(s.pause_fate)
             return PinResult(0, 0)
         self.leases.grant(s, self.clock.now(), ttl_s)
         if s.state is not SessionState.PARKED:
@@ -240,7 +241,8 @@ class SessionTable:
         result = PinResult(j, want)
         if result.clamped:
             self.stats.pin_clamps += 1
-        s.pause_fate = "clamped" if result.clamped else "pinned" if j else "unpinned"
+        whole = len(s.block_ids) * self.block_size >= len(s.token_ids)  # nothing evicted since the turn ended
+        s.pause_fate = after_grant(s.pause_fate, whole=whole, clamped=result.clamped, held=j > 0)
         return result
 
     def _unpin(self, s: Session) -> None:

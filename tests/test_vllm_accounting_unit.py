@@ -264,3 +264,15 @@ def test_a_split_caps_the_queued_part_and_names_an_unknown_fate() -> None:
     assert split_lost(1000, 600, "clamped", 200) == [("clamped", 400)]  # less at arrival than at admission
     with pytest.raises(ValueError, match="pause fate 'gone' is not one of"):
         split_lost(10, 0, "gone", 0)
+
+
+def test_a_loss_recorded_in_a_pause_stays_whatever_pin_comes_later() -> None:
+    from engine_adapter._lost_context import after_grant, after_unpin
+
+    for loss in ("clamped", "yielded", "forced", "expired"):
+        assert after_grant(loss, whole=True, clamped=False, held=True) == loss
+        assert after_unpin(loss) == loss
+    assert after_grant("unpinned", whole=True, clamped=False, held=True) == "pinned"
+    assert after_grant("unpinned", whole=True, clamped=True, held=False) == "clamped"
+    assert after_grant("unpinned", whole=False, clamped=True, held=True) == "unpinned"  # lost before the pin came
+    assert after_unpin("pinned") == "unpinned"

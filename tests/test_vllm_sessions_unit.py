@@ -153,6 +153,8 @@ def test_each_pause_ends_with_the_fate_of_its_pin() -> None:
     clock.t += 2.0
     book.expire()
     assert d.pause_fate == "expired"
+    book.set_pin(d, 5.0)  # a policy renewing late pins what is left: the pause still lost its context
+    assert d.pause_fate == "expired"
     # a turn that ends starts a new pause: its pin (granted at the end) decides again
     book.on_request_added(d, "r6")
     book.on_admitted(d, "r6")

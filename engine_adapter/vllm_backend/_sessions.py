@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapter._kv_manager import PinResult  # the embedded engine's answer to a pin, shared
+from engine_adapter._lost_context import after_grant, after_unpin
 from engine_adapter._pin_lease import PinLeases
 from engine_adapter._pin_order import deadlock_victims, program_start
 
@@ -217,7 +218,7 @@ class SessionBook:
         if ttl_s <= 0:
             s.pin_deadline_s = None
             self._unpin(s)
-            s.pause_fate = "unpinned"
+            s.pause_fate = after_unpin(s.pause_fate)
             return PinResult(0, 0)
         self.leases.grant(s, self.clock(), ttl_s)
         if s.live:
@@ -234,8 +235,10 @@ class SessionBook:
     ) -> PinResult:
         """Hold up to the pin budget of ``prefix``; re-acquire (touch) blocks the book does not yet own."""
         held_ids = {b.block_id for b in s.held}
+        whole = True
         for idx, b in enumerate(prefix):
             if hashes is not None and b.block_hash != hashes[idx][1]:
+                whole = False
                 break  # evicted (and maybe reused) since the turn ended: the prefix stops here
             if b.block_id in held_ids:
                 continue
@@ -247,7 +250,7 @@ class SessionBook:
         grant = PinResult(len(s.held), len(prefix))
         if grant.clamped:
             self.stats.pin_clamps += 1
-        s.pause_fate = "clamped" if grant.clamped else "pinned" if s.held else "unpinned"
+        s.pause_fate = after_grant(s.pause_fate, whole=whole, clamped=grant.clamped, held=bool(s.held))
         return grant
 
     def _unpin(self, s: VSession) -> None:
@@ -266,7 +269,7 @@ class SessionBook:
         n = sum(1 for b in s.held if self.leases.pins_on(b.block_id) == 1)
         s.pin_deadline_s = None
         self._unpin(s)
-        s.pause_fate = "yielded" if yielded else "unpinned"
+        s.pause_fate = "yielded" if yielded else after_unpin(s.pause_fate)
         if yielded:
             self.stats.yielded_pins += 1
         return n
