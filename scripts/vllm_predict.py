@@ -99,10 +99,15 @@ def _vllm_node(warm_first: bool = False) -> str:
     return f"scheduler.warm_first={str(warm_first).lower()},evict_queued=true,resend_outputs=false,host_lru=true"
 
 
+INFER_RENEW = "policy.renew_ahead_s=0.05"
+"""The node's inference renews a pin at the instant its lease lapses (``SessionBook.expire``); the replay's
+policy re-decides at its ticks (every 0.05 s), so without renewing a tick ahead each renewal left a gap of up
+to a tick in which the mirror's node evicted the context (the pushed baselines' pusher ticks as the replay
+does, so their mirrors keep the gap)."""
 MIRRORS = {
     "vanilla": f"node.vanilla=vllm-default:{_vllm_node()}",
-    "hintflow-infer": f"node.hintflow-infer=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru",
-    "hintflow-infer-pid": f"node.hintflow-infer-pid=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru",
+    "hintflow-infer": f"node.hintflow-infer=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru,{INFER_RENEW}",
+    "hintflow-infer-pid": f"node.hintflow-infer-pid=hintflow:{NODE},policy.memory_share=true,eviction_policy=lru,{INFER_RENEW}",
     "hintflow-orchestrator": f"node.hintflow-orchestrator=hintflow:{NODE}",
     "continuum": f"node.continuum=continuum:{NODE}",
     "kvflow": f"node.kvflow=kvflow:{_node(0)}",  # KVFlow's mode: request FCFS

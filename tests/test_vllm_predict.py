@@ -102,6 +102,7 @@ def test_pins_that_never_yield_are_mirrored_and_yielding_to_the_head_alone_is_no
     keys = [vp._variant_mirror("V+host", v, "evict", None).partition(":")[2].split(",") for v in (off, default)]
     assert "yield_pins=false" in keys[0] and "yield_pins=true" not in keys[0]
     assert "yield_pins=true" in keys[1]
+    assert "policy.renew_ahead_s=0.05" in keys[1]  # the node's inference renews at the lapse: no gap of a tick
     assert vp._unmirrored({"HINTFLOW_YIELD_PINS": "0"}) == []
     assert vp._unmirrored({"HINTFLOW_YIELD_PINS": "head", "HINTFLOW_NOPE": "1"}) == ["HINTFLOW_NOPE", "HINTFLOW_YIELD_PINS=head"]
 
