@@ -258,17 +258,20 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
             extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
             program = str(extra.get("program_id") or "")
             sid = str(getattr(request, "session_id", None) or program)
-            if sid and request.request_id not in self.requests and self._valid_ids(sid, program):
+            new = request.request_id not in self.requests
+            # the prompt's cached prefix as it arrives, looked up once for the accounting and the FCFS bound
+            cached = self._cached_tokens(request) if new and (sid or self.fcfs_bound.enabled) else 0
+            if sid and new and self._valid_ids(sid, program):
                 s = self.book.session(sid, program)
                 self.book.on_request_added(s, request.request_id)
                 if self.infer is not None:
                     self.infer.on_request(s, extra)
                 self._req_session[request.request_id] = s
                 self._client_priority[request.request_id] = request.priority
-                self._arrival[request.request_id] = (s.pause_fate, self._cached_tokens(request))
+                self._arrival[request.request_id] = (s.pause_fate, cached)
                 request.priority = self._safe_priority(s, request.priority, request.request_id, request)
-            if self.fcfs_bound.enabled and request.request_id not in self.requests:
-                own = request.num_tokens - self._cached_tokens(request)
+            if self.fcfs_bound.enabled and new:
+                own = request.num_tokens - cached
                 self.fcfs_bound.arrived(request.request_id, self._prefill_ahead(), own)
             super().add_request(request)
 
