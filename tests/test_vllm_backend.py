@@ -275,7 +275,9 @@ def test_deadlock_rule_unpins_the_latest_program(node: Node) -> None:
 def _queue_order(node: Node, tag: str, hint: Priority | None) -> list[str]:
     """Occupy the one slot, queue x then y, optionally hint; the order in which x and y finish. (Not the
     blocker's place: x is admitted the step after the blocker's last token, and its reply can reach the
-    client before the blocker's 1,500-token one does on a loaded machine.)"""
+    client before the blocker's 1,500-token one does on a loaded machine.) x and y each decode 64 tokens in
+    the one slot, so the second finishes 64 steps after the first: with one token each, the second's reply
+    came one step later, and a loaded CI machine delivered it to its thread first."""
     order: list[str] = []
     lock = threading.Lock()
 
@@ -291,7 +293,9 @@ def _queue_order(node: Node, tag: str, hint: Priority | None) -> list[str]:
     _wait_state(node, f"blocker{tag}", "running")
     threads = [blocker]
     for sid in ("x", "y"):
-        threads.append(threading.Thread(target=run, args=(sid,)))
+        threads.append(
+            threading.Thread(target=run, args=(sid,), kwargs={"max_tokens": 64, "ignore_eos": True})
+        )
         threads[-1].start()
         _wait_state(node, sid, "waiting")
     if hint is not None:
@@ -304,34 +308,38 @@ def _queue_order(node: Node, tag: str, hint: Priority | None) -> list[str]:
 
 
 def test_priority_hint_reorders_the_queue(node: Node) -> None:
-    node.complete(_prompt(40, 64), "x", "px")  # x's program is seen first, then y's
-    node.complete(_prompt(41, 64), "y", "py")
-    # Program-level FCFS by default: x's program is older.
-    assert _queue_order(node, "1", None) == ["x", "y"]
-    # The orchestrator says y's program started an hour ago: y goes first.
-    hint = Priority(session_id="y", program_id="py", program_age_s=3600)
-    assert _queue_order(node, "2", hint) == ["y", "x"]
-    # A turn's Priority that comes before its request (a session new to this node) is recorded, not lost.
-    early = node.hints(Priority(session_id="z", program_id="pz", program_age_s=60))
-    assert early.results[0].ok, early.results[0].message
-    assert not node.hints(Priority(session_id="z", program_id="other", program_age_s=1)).results[0].ok
-    node.hints(*(Release(program_id=p) for p in ("px", "py", "pz", "pblocker1", "pblocker2")))
+    try:
+        node.complete(_prompt(40, 64), "x", "px")  # x's program is seen first, then y's
+        node.complete(_prompt(41, 64), "y", "py")
+        # Program-level FCFS by default: x's program is older.
+        assert _queue_order(node, "1", None) == ["x", "y"]
+        # The orchestrator says y's program started an hour ago: y goes first.
+        hint = Priority(session_id="y", program_id="py", program_age_s=3600)
+        assert _queue_order(node, "2", hint) == ["y", "x"]
+        # A turn's Priority that comes before its request (a session new to this node) is recorded, not lost.
+        early = node.hints(Priority(session_id="z", program_id="pz", program_age_s=60))
+        assert early.results[0].ok, early.results[0].message
+        assert not node.hints(Priority(session_id="z", program_id="other", program_age_s=1)).results[0].ok
+    finally:  # the node is shared: a failure here must not leave sessions for the tests after it
+        node.hints(*(Release(program_id=p) for p in ("px", "py", "pz", "pblocker1", "pblocker2")))
 
 
 def test_a_turn_whose_context_is_pinned_goes_ahead_of_an_older_program(node: Node) -> None:
     # The embedded node's queue order (Request.sort_key): a waiting turn whose session holds a pin is
     # served before unpinned ones of its class, so the memory held for it turns into progress at once.
-    node.complete(_prompt(60, 64), "x", "px")  # x's program is older
-    node.complete(_prompt(61, 2 * BS + 1), "y", "py")
-    assert node.hints(Pin(session_id="y", ttl_s=60)).results[0].pinned_blocks == 2
-    assert _queue_order(node, "3", None) == ["y", "x"]
-    # y's admitted turn consumed the pin; at its end the grace holds y until the orchestrator's next
-    # decision, here "no pin".
-    node.hints(Pin(session_id="y", ttl_s=0))
-    assert not _pinned(node, "y")
-    # Without a pin, program FCFS again: x first.
-    assert _queue_order(node, "4", None) == ["x", "y"]
-    node.hints(*(Release(program_id=p) for p in ("px", "py", "pblocker3", "pblocker4")))
+    try:
+        node.complete(_prompt(60, 64), "x", "px")  # x's program is older
+        node.complete(_prompt(61, 2 * BS + 1), "y", "py")
+        assert node.hints(Pin(session_id="y", ttl_s=60)).results[0].pinned_blocks == 2
+        assert _queue_order(node, "3", None) == ["y", "x"]
+        # y's admitted turn consumed the pin; at its end the grace holds y until the orchestrator's next
+        # decision, here "no pin".
+        node.hints(Pin(session_id="y", ttl_s=0))
+        assert not _pinned(node, "y")
+        # Without a pin, program FCFS again: x first.
+        assert _queue_order(node, "4", None) == ["x", "y"]
+    finally:
+        node.hints(*(Release(program_id=p) for p in ("px", "py", "pblocker3", "pblocker4")))
 
 
 def test_eviction_follows_the_hinted_next_use_not_recency(node: Node) -> None:
