@@ -274,6 +274,7 @@ def run_vllm_replay(
         "admit_max_wait_s": device.admit_max_wait_s, "admit_max_wait_s_host": host.admit_max_wait_s,
         "fcfs_slack": _finite(device.fcfs_slack), "fcfs_slack_host": _finite(host.fcfs_slack),
         "warm_first": True,  # hintflow's own nodes ran the warm-first rule (HINTFLOW_WARM_FIRST; the mirror reads it)
+        "hold_queued": device.hold_queued, "hold_queued_host": host.hold_queued,  # (HINTFLOW_HOLD_QUEUED)
         "host_capacity_tokens": host_tokens if any(m.endswith("+host") for m in modes) else None, "model": str(model_dir), "vllm_python": python,
         "state_dir": str(state), "policies": modes, "rounds": rounds, "bracket": bracket,
     }  # fmt: skip

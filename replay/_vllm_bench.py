@@ -68,7 +68,7 @@ PUSHED_POLICY = {"hintflow-orchestrator": "hintflow", "continuum": "continuum", 
 """Modes in which an orchestrator policy pushes hints over gRPC to hintflow's vLLM node (the same hint path
 for ours and the baselines; the node infers nothing for a session that gets hints)."""
 _BASELINE_NODE = {"HINTFLOW_INFER_HINTS": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": str(AGING_S), "HINTFLOW_WARM_FIRST": "0",
-                  "HINTFLOW_FCFS_SLACK": "inf"}
+                  "HINTFLOW_FCFS_SLACK": "inf", "HINTFLOW_HOLD_QUEUED": "0"}
 MODE_ENV = {
     "continuum": _BASELINE_NODE,
     "kvflow": {**_BASELINE_NODE, "HINTFLOW_PRIORITY_AGING_S": "0", "HINTFLOW_ADMIT_MAX_WAIT_S": "0"},
@@ -81,7 +81,8 @@ JCT with it and 1.01x / 1.01x without, one bracketed sitting, docs/benchmarks.md
 FCFS (no program-level priority; with no head start for older programs the node's priority order is
 arrival order). The node's program admission holds a baseline's new programs no longer than its aging
 bound (as every mode was measured before hintflow's own hold became ``ADMIT_MAX_WAIT_S``): a hold that
-binds is hintflow's mechanism too; so is the FCFS bound (``HINTFLOW_FCFS_SLACK``), off for them."""
+binds is hintflow's mechanism too; so are the FCFS bound (``HINTFLOW_FCFS_SLACK``) and the queue hold
+(``HINTFLOW_HOLD_QUEUED``), off for them."""
 
 _IPC_PATH_MAX = 107
 """A Unix socket's path at most (``sockaddr_un.sun_path``): a deeper state dir gets its sockets in a short

@@ -84,7 +84,7 @@ NODE = _node(AGING_S)
 """Every hintflow vLLM node with the vLLM node's defaults: its pin budget, program FCFS with its aging bound
 of head start at most, pins yielding to older programs' turns, no cold-prefill cap (vLLM has none), one
 node."""
-def _vllm_node(warm_first: bool = False) -> str:
+def _vllm_node(warm_first: bool = False, hold_queued: bool = False) -> str:
     """What every vLLM node does, stock or hintflow's, unlike the embedded one: a queued turn's unpinned
     context stays in the LRU free queue (``evict_queued``); and, unless the node runs hintflow's warm-first
     rule (``HINTFLOW_WARM_FIRST``, on since it was added), turns go in queue order, a resume whose context
@@ -92,11 +92,15 @@ def _vllm_node(warm_first: bool = False) -> str:
     replay rows; the baseline rows are registered with both, ``replay/_policies.py``) do both the other
     way: mirrored with them, stock vLLM with a host tier of half the pool replayed at 47-54% hits against
     11-16% measured. Set on every mirror, so a mirror does not depend on the registered rows' defaults.
+    ``hold_queued``: the node ran its queue hold (``HINTFLOW_HOLD_QUEUED``: a waiting turn keeps its cached
+    context), mirrored as the embedded node's rule (``evict_queued=false``: a queued turn's context goes only
+    when no parked one is left).
     And the benchmark's client sends each turn's trace tokens only, not the turn's output
     (``resend_outputs``). The node's host tier (``+host``) drops least recently saved or loaded blocks first,
     whatever the hints say (``host_lru``): kvflow's hinted host order replayed wh10 at 32% hits against 17%
     measured."""
-    return f"scheduler.warm_first={str(warm_first).lower()},evict_queued=true,resend_outputs=false,host_lru=true"
+    evict = str(not hold_queued).lower()
+    return f"scheduler.warm_first={str(warm_first).lower()},evict_queued={evict},resend_outputs=false,host_lru=true"
 
 
 INFER_RENEW = "policy.renew_ahead_s=0.05"
@@ -155,6 +159,11 @@ def _admission(max_wait_s: str) -> str:
     return f"scheduler.admit_fraction=1.0,scheduler.admit_max_wait_s={max_wait_s}"
 
 
+def _hold_queued(real: dict[str, Any], host: bool) -> bool:
+    """Whether a real report's hintflow nodes ran the queue hold at this memory point (reports before it: no)."""
+    return bool(real["config"].get("hold_queued_host" if host else "hold_queued", False))
+
+
 def _admit_wait(real: dict[str, Any], host: bool) -> float | None:
     """The admission hold a real report's hintflow nodes ran at this memory point (None: not recorded)."""
     return real["config"].get("admit_max_wait_s_host" if host else "admit_max_wait_s")
@@ -162,7 +171,7 @@ def _admit_wait(real: dict[str, Any], host: bool) -> float | None:
 
 def _mirror(
     mode: str, host_save: str = "evict", pin_budget: float | None = None, host_guard: bool = True,
-    admit_wait_s: float | None = None, warm_first: bool = True,
+    admit_wait_s: float | None = None, warm_first: bool = True, hold_queued: bool = False,
 ) -> str:
     """The replay spec of a real mode; ``BASE+host`` is BASE's node with a host tier (named apart).
     ``pin_budget``: the one the real run gave every node (its report's ``config.pin_budget``; None: the
@@ -171,7 +180,9 @@ def _mirror(
     hold of a hintflow node (its report's ``config.admit_max_wait_s``, or ``admit_max_wait_s_host`` for a
     node with the host tier; None, reports before it was recorded: the aging bound, as the baselines'
     nodes keep it). ``warm_first``: whether
-    hintflow's nodes ran the warm-first rule (its report's ``config.warm_first``; reports before: not)."""
+    hintflow's nodes ran the warm-first rule (its report's ``config.warm_first``; reports before: not);
+    ``hold_queued``: whether they ran the queue hold at this memory point (``config.hold_queued`` or
+    ``hold_queued_host``; reports before: not)."""
     host = mode.endswith("+host")
     budget = pin_budget if pin_budget is not None else node_defaults(host).pin_budget
     base = mode.removesuffix("+host")
@@ -179,7 +190,8 @@ def _mirror(
     stock = base == "vanilla"
     if not stock:
         node_warm = warm_first and MODE_ENV.get(base, {}).get("HINTFLOW_WARM_FIRST", "1") != "0"  # baselines: off
-        spec += "," + _vllm_node(node_warm)
+        node_hold = hold_queued and MODE_ENV.get(base, {}).get("HINTFLOW_HOLD_QUEUED", "1") != "0"
+        spec += "," + _vllm_node(node_warm, node_hold)
         if host_guard or not host:  # a hintflow node: its admission guard
             aging = spec.partition("scheduler.program_fcfs_aging_s=")[2].partition(",")[0]
             own = base not in MODE_ENV and admit_wait_s is not None  # hintflow's own modes
@@ -194,7 +206,7 @@ def _mirror(
 
 NODE_ENV = ("HINTFLOW_ADMIT_GUARD", "HINTFLOW_ADMIT_MAX_WAIT_S", "HINTFLOW_ADMIT_FRACTION",
             "HINTFLOW_TTFT_DEADLINE_S", "HINTFLOW_PRIORITY_AGING_S", "HINTFLOW_PIN_BUDGET", "HINTFLOW_WARM_FIRST",
-            "HINTFLOW_WARM_THRESHOLD_TOKENS", "HINTFLOW_FCFS_SLACK", "HINTFLOW_YIELD_PINS")
+            "HINTFLOW_WARM_THRESHOLD_TOKENS", "HINTFLOW_FCFS_SLACK", "HINTFLOW_YIELD_PINS", "HINTFLOW_HOLD_QUEUED")
 """The node settings (``--variant NAME=MODE:env.KEY=V``) the replay's node has an equivalent of."""
 
 
@@ -234,6 +246,9 @@ def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
     deadline = env.get("HINTFLOW_TTFT_DEADLINE_S")
     if deadline is not None and math.isfinite(float(deadline)):
         keys["scheduler.ttft_deadline_s"] = deadline
+    hold = env.get("HINTFLOW_HOLD_QUEUED")
+    if hold is not None:
+        keys["evict_queued"] = str(hold.strip().lower() in ("0", "false", "no", "off")).lower()
     if env.get("HINTFLOW_YIELD_PINS", "1").strip().lower() in ("0", "false", "no", "off"):
         keys["yield_pins"] = "false"  # (``head`` is not mirrored: ``_unmirrored``)
     slack = env.get("HINTFLOW_FCFS_SLACK")
@@ -245,13 +260,13 @@ def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
 
 def _variant_mirror(
     name: str, variant: dict[str, Any], host_save: str, pin_budget: float | None, host_guard: bool = True,
-    admit_wait_s: float | None = None, warm_first: bool = True, bound: str = "",
+    admit_wait_s: float | None = None, warm_first: bool = True, bound: str = "", hold_queued: bool = False,
 ) -> str:
     """A ``--variant`` of a real mode (its report's ``config.variants``): the mode's mirror, named apart,
     with the variant's policy options and node settings (``NODE_ENV``) on top of the mirror's own."""
     if variant["mode"].removesuffix("+host") == "vanilla":
         raise SystemExit(f"variant {name}: its mode {variant['mode']} pushes no policy to mirror")
-    spec = _mirror(variant["mode"], host_save, pin_budget, host_guard, admit_wait_s, warm_first) + bound
+    spec = _mirror(variant["mode"], host_save, pin_budget, host_guard, admit_wait_s, warm_first, hold_queued) + bound
     base, _, opts = spec.partition("=")[2].partition(":")
     keys = dict(item.split("=", 1) for item in opts.split(","))
     keys.update((f"policy.{k}", str(v).lower()) for k, v in variant["policy_options"].items())
@@ -341,7 +356,7 @@ def calibrate(
     specs = [_mirror(ref, host_save, budget)] + (
         [_mirror(share_mode, host_save, budget, host_guard,
                  _admit_wait(real, host),
-                 real["config"].get("warm_first", False))] if share_mode else []
+                 real["config"].get("warm_first", False), _hold_queued(real, host))] if share_mode else []
     )
     tried: dict[tuple[float, float], tuple[float, str, dict[str, float]]] = {}
 
@@ -370,14 +385,15 @@ def _spec(real: dict[str, Any], mode: str, variants: dict[str, Any], host_save: 
         budget = device_pin_budget
     wait = _admit_wait(real, host)
     warm = real["config"].get("warm_first", False)  # (reports before the rule: its nodes had none)
+    hold = _hold_queued(real, host)
     # (reports before the bound's default: none; before its own default with the tier, fcfs_slack was both)
     slack = real["config"].get("fcfs_slack_host" if host and "fcfs_slack_host" in real["config"] else "fcfs_slack")
     base = variants[mode]["mode"] if mode in variants else mode
     own = base.removesuffix("+host") not in MODE_ENV and base.removesuffix("+host") != "vanilla"
     bound = f",scheduler.fcfs_slack={slack}" if own and slack is not None and math.isfinite(slack) else ""
     if mode in variants:
-        return _variant_mirror(mode, variants[mode], host_save, budget, host_guard, wait, warm, bound)
-    return _mirror(mode, host_save, budget, host_guard, wait, warm) + bound
+        return _variant_mirror(mode, variants[mode], host_save, budget, host_guard, wait, warm, bound, hold)
+    return _mirror(mode, host_save, budget, host_guard, wait, warm, hold) + bound
 
 
 def _turns(real: dict[str, Any], mode: str, variants: dict[str, Any], a: argparse.Namespace, host_guard: bool) -> None:

@@ -85,6 +85,16 @@ def _run(model: str, scheduler_cls: str | None, prefix_caching: bool = True) -> 
         out["cache_state"] = {"host_total_blocks": st.host_total_blocks, "host_free_blocks": st.host_free_blocks,
                               "pa_host_tokens": pa[0].host_tokens if pa else None,
                               "host_reload_s_per_token": st.host_reload_s_per_token}  # fmt: skip
+    if scheduler_cls == SCHEDULER_CLS:  # a waiting turn's hold on its host run (hold_for_waiting): locked, then let go
+        hashes = sched.hash_blocks(a)
+        on_host = len(tier.index.match(hashes, 0, len(hashes)))
+        held = tier.hold_for_waiting("probe", hashes, 0, len(hashes))
+        slots = [tier.index.slot_of(h) for h in hashes[:held]]
+        locked = all(s in tier.index._locks for s in slots)
+        num_held = tier.num_held_slots
+        tier.release_hold("probe")
+        out["hold"] = {"on_host": on_host, "held": held, "locked": locked, "num_held": num_held,
+                       "after": tier.num_held_slots, "unlocked": not any(s in tier.index._locks for s in slots)}  # fmt: skip
     # The copies a load reads are spares once shipped: they must go first in line (HostIndex.release_loads)
     released: list[Any] = []
     release = tier.index.release_loads
@@ -246,6 +256,13 @@ def test_the_routers_cache_state_shows_the_host_tier(report: dict[str, Any]) -> 
     from engine_adapter.vllm_backend import HOST_RELOAD_S_PER_TOKEN
 
     assert st["host_reload_s_per_token"] == HOST_RELOAD_S_PER_TOKEN  # the node's one figure, for the router
+
+
+def test_a_waiting_turns_hold_locks_its_host_run_until_let_go(report: dict[str, Any]) -> None:
+    hold = report["hintflow"]["hold"]
+    assert hold["held"] == hold["on_host"] > 0  # pa's flooded context, on the host, all of it held
+    assert hold["locked"] and hold["num_held"] == hold["held"]
+    assert hold["after"] == 0 and hold["unlocked"]
 
 
 def test_with_a_host_tier_pins_hold_the_host_tiers_budget(report: dict[str, Any]) -> None:

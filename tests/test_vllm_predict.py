@@ -107,6 +107,23 @@ def test_pins_that_never_yield_are_mirrored_and_yielding_to_the_head_alone_is_no
     assert vp._unmirrored({"HINTFLOW_YIELD_PINS": "head", "HINTFLOW_NOPE": "1"}) == ["HINTFLOW_NOPE", "HINTFLOW_YIELD_PINS=head"]
 
 
+def test_the_queue_hold_is_mirrored_as_the_embedded_nodes_rule_for_hintflows_modes_only() -> None:
+    """A node that ran the queue hold (the report's ``hold_queued_host``, or a variant's
+    ``HINTFLOW_HOLD_QUEUED``) keeps a queued turn's context: the mirror's ``evict_queued=false``. Stock vLLM and
+    the baselines' nodes (``MODE_ENV`` turns it off) keep ``evict_queued=true``; reports before the hold have none."""
+    vp = load_script("vllm_predict")
+    real: dict = {"config": {"hold_queued": False, "hold_queued_host": True}, "policies": {}}
+    spec = {m: vp._spec(real, m, {}, "evict", True, 0.9) for m in ("hintflow-infer+host", "kvflow+host", "hintflow-infer")}
+    assert "evict_queued=false" in spec["hintflow-infer+host"]
+    assert "evict_queued=true" in spec["kvflow+host"] and "evict_queued=true" in spec["hintflow-infer"]
+    assert "evict_queued=true" in vp._spec({"config": {}, "policies": {}}, "hintflow-infer+host", {}, "evict", True, 0.9)
+    off = {"mode": "hintflow-infer+host", "policy_options": {}, "env": {"HINTFLOW_HOLD_QUEUED": "0"}}
+    assert "evict_queued=true" in vp._variant_mirror("V+host", off, "evict", None, hold_queued=True)
+    on = {"mode": "hintflow-infer", "policy_options": {}, "env": {"HINTFLOW_HOLD_QUEUED": "1"}}
+    assert "evict_queued=false" in vp._variant_mirror("V", on, "evict", None)
+    assert vp._unmirrored({"HINTFLOW_HOLD_QUEUED": "1"}) == []
+
+
 def test_the_nodes_lost_reading_is_set_beside_the_mirrors() -> None:
     """The harness keeps a hintflow node's last ``lost=`` log reading (``node_lost_by``); the prediction prints
     it beside the mirror's ``lost_by`` tokens as shares, largest cause first, for modes that have both."""

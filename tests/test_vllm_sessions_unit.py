@@ -160,3 +160,45 @@ def test_each_pause_ends_with_the_fate_of_its_pin() -> None:
     book.on_admitted(d, "r6")
     book.on_request_finished(d, "r6", [Blk(next(_ids), block_hash=("d", "r6", i)) for i in range(4)])
     assert d.pause_fate == "unpinned"
+
+
+def test_a_queue_hold_keeps_a_waiting_turns_context_until_admission_and_is_no_pin() -> None:
+    book, pool, clock = _book()
+    s, blocks = _finished_turn(book, "a", "r1")  # no pin: its blocks are free, still cached
+    book.on_request_added(s, "r2")
+    clock.t = 5.0
+    assert book.hold_queued(s) == 4 and s.queue_hold
+    assert all(b.ref_cnt == 1 for b in blocks) and pool.free_block_queue.items == []
+    assert s.pause_fate == "unpinned"  # the pause is over: its fate stands
+    assert book.stats.queue_holds == 1 and book.stats.pin_clamps == 0
+    clock.t = 60.0
+    book.expire()  # the hold's lease lapsed at once, but the turn still waits: held
+    assert book.num_pinned_blocks == 4 and book.stats.pin_expiries == 0
+    book.on_admitted(s, "r2")  # vLLM's prefix hit took its own references: the hold lets go
+    assert not s.held and not s.queue_hold and s.pin_deadline_s is None
+    book.check_invariants()
+
+
+def test_an_aborted_turns_queue_hold_goes_at_the_next_expiry() -> None:
+    book, _, clock = _book()
+    s, blocks = _finished_turn(book, "a", "r1")
+    book.on_request_added(s, "r2")
+    assert book.hold_queued(s) == 4
+    book.on_request_finished(s, "r2", [])  # aborted while queued
+    clock.t = 0.1
+    book.expire()
+    assert book.num_pinned_blocks == 0 and not s.queue_hold and all(b.ref_cnt == 0 for b in blocks)
+    book.check_invariants()
+
+
+def test_a_queue_hold_takes_nothing_from_a_pin_and_stops_at_the_budget() -> None:
+    book, _, _ = _book()  # budget: 50 of 100 blocks
+    p, _ = _finished_turn(book, "p", "r1", n=48)
+    assert book.set_pin(p, 30.0).pinned_blocks == 48
+    book.on_request_added(p, "r2")
+    assert book.hold_queued(p) == 0 and not p.queue_hold  # already pinned: its pin holds it
+    s, _ = _finished_turn(book, "a", "r3", n=4)
+    book.on_request_added(s, "r4")
+    assert book.hold_queued(s) == 2 and s.queue_hold  # what the budget leaves
+    assert book.stats.pin_clamps == 0  # a hold cut short is not a pin clamp
+    book.check_invariants()

@@ -58,7 +58,7 @@ def cache_state(sched: HintSchedulerMixin, include_sessions: bool, version: int 
                         program_id=s.program_id,
                         device_tokens=device,
                         host_tokens=host,
-                        pinned=bool(s.held),
+                        pinned=bool(s.held) and not s.queue_hold,  # a queue hold is no pin
                         state=s.state,  # type: ignore[arg-type]
                     )
                 except ValidationError:

@@ -98,7 +98,7 @@ _PROGRAM_ID: TypeAdapter[str] = TypeAdapter(OptionalProgramId)
 def _pinned(pinned_first: bool, s: VSession) -> bool:
     """Whether the session's queued turns take the pinned band (``HINTFLOW_PINNED_FIRST`` and a live pin
     that holds blocks, ``holds_pin``)."""
-    return pinned_first and holds_pin(s.pin_deadline_s, len(s.held))
+    return pinned_first and not s.queue_hold and holds_pin(s.pin_deadline_s, len(s.held))
 
 
 class HintSchedulerMixin(QueueRules, _VllmScheduler):
@@ -122,7 +122,9 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     HINTFLOW_PINNED_FIRST (1: a waiting turn whose session
     holds a pin goes ahead of unpinned ones of its class, as on the embedded node), HINTFLOW_PIN_GRACE_S
     (0.5: a session the orchestrator pinned in the last HINTFLOW_INFER_DEFER_S is held this long at each
-    turn's end, until its next Pin decision arrives; 0: off)."""
+    turn's end, until its next Pin decision arrives; 0: off), HINTFLOW_HOLD_QUEUED (HOLD_QUEUED, off; with the
+    host tier HOLD_QUEUED_WITH_HOST, on: a turn that arrives to find its unpinned context still cached holds it
+    until admission, ``SessionBook.hold_queued``, and the host tier's run after it, ``hold_for_waiting``)."""
 
     hintflow_async: ClassVar[bool] = False  # whether the vLLM base is AsyncScheduler (set in _scheduler)
 
@@ -222,6 +224,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.warm_first = env_on("HINTFLOW_WARM_FIRST", "1")
         self.warm_threshold_tokens = env_float("HINTFLOW_WARM_THRESHOLD_TOKENS", WARM_THRESHOLD_TOKENS)
         self.pin_grace_s = env_float("HINTFLOW_PIN_GRACE_S", 0.5)
+        # a turn that arrives to find its unpinned context cached holds it while it waits (_sessions)
+        self.hold_queued = env_on("HINTFLOW_HOLD_QUEUED", "1" if defaults.hold_queued else "0")
         self.pin_grace_window_s = env_float("HINTFLOW_INFER_DEFER_S", 60.0)  # "recently pinned": as inference's
         self.grace_holds = 0
         self._overdue: set[str] = set()  # waiting requests already moved to the front (deadline passed)
@@ -269,11 +273,26 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 self._req_session[request.request_id] = s
                 self._client_priority[request.request_id] = request.priority
                 self._arrival[request.request_id] = (s.pause_fate, cached)
+                if self.hold_queued and cached:
+                    self._hold_while_queued(s, request)
                 request.priority = self._safe_priority(s, request.priority, request.request_id, request)
             if self.fcfs_bound.enabled and new:
                 own = request.num_tokens - cached
                 self.fcfs_bound.arrived(request.request_id, self._prefill_ahead(), own)
             super().add_request(request)
+
+    def _hold_while_queued(self, s: VSession, request: Any) -> None:
+        """``HINTFLOW_HOLD_QUEUED``: an arriving turn holds what it finds cached until it is admitted, its
+        device part (``SessionBook.hold_queued``) and the host tier's run after it (``hold_for_waiting``)."""
+        self.book.hold_queued(s)
+        if self.host_tier is None:
+            return
+        pool, bs = self.kv_cache_manager.block_pool, self.block_size
+        device = num_cached_tokens(
+            request.block_hashes, request.num_tokens, bs, lambda h: pool.get_cached_block(h, [0]) is not None
+        )
+        usable = min(len(request.block_hashes), max(0, request.num_tokens - 1) // bs)
+        self.host_tier.hold_for_waiting(request.request_id, request.block_hashes, device // bs, usable - device // bs)
 
     def _valid_ids(self, session_id: str, program_id: str) -> bool:
         """Whether the protocol can carry these ids (``SessionResidency`` in every ``CacheState``); a request
@@ -440,6 +459,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 self.step_trace.record(out)
             for new in out.scheduled_new_reqs:
                 self.fcfs_bound.forget(new.req_id)
+                if self.host_tier is not None:
+                    self.host_tier.release_hold(new.req_id)
                 s = self._req_session.get(new.req_id)
                 req = self.requests.get(new.req_id)
                 if req is not None:  # hits: the prefix lookup, before this step's tokens are added
@@ -449,7 +470,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                     )
                     if history and self.host_tier is not None:
                         self.host_hits.observe(history, new.num_computed_tokens - host, host)
-                    if history and s is not None and not s.held:  # what the device kept with no pin
+                    if history and s is not None and (not s.held or s.queue_hold):  # kept with no pin
                         self.unpinned_survival.observe(history, new.num_computed_tokens - host)
                 if s is None:
                     continue
@@ -460,7 +481,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                 why = self._admit_reason.pop(new.req_id, None)
                 if why is not None:
                     self.admit_stats[why] += 1
-                kept = bool(s.held)
+                kept = bool(s.held) and not s.queue_hold  # (a queue hold kept it only once the turn was back)
                 wait_s = time.time() - req.arrival_time if req is not None else None
                 self.book.on_admitted(s, new.req_id)
                 if self.infer is not None and wait_s is not None:
@@ -509,6 +530,10 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
                   f" unpinned_kept_run={self.unpinned_survival.run_fraction():.2f}")
         if self.fcfs_bound.enabled:  # turns the FCFS bound moved to the front
             extra += f" fcfs_due={self.fcfs_bound.num_due}"
+        if self.hold_queued:  # turns that held their context while queued
+            extra += f" queue_holds={st.queue_holds}"
+            if self.host_tier is not None:
+                extra += f" host_held={self.host_tier.num_held_slots}"
         # the recomputed tokens' shares by why the context was not there (RequestAccounting.lost_by)
         extra += f" lost={self.accounting.lost_shares()}"
         a = self.admit_stats
@@ -556,6 +581,8 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self._client_priority.pop(request.request_id, None)
         self._req_start.pop(request.request_id, None)
         self._arrival.pop(request.request_id, None)
+        if self.host_tier is not None:
+            self.host_tier.release_hold(request.request_id)
         self._overdue.discard(request.request_id)
         self.fcfs_bound.forget(request.request_id)
         self._admit_reason.pop(request.request_id, None)  # (aborted before vLLM scheduled it)

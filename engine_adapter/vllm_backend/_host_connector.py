@@ -81,6 +81,9 @@ __all__ = ["CONNECTOR_MODULE", "HintflowHostTier", "HostTierMetadata", "host_tie
 
 log = logging.getLogger("vllm.hintflow.host_tier")  # under vLLM's logger: its handlers print INFO
 
+HOLD_SHARE = 0.5
+"""The most of the tier's slots that waiting turns' holds may lock (``hold_for_waiting``)."""
+
 
 @dataclass
 class HostTierMetadata(KVConnectorMetadata):
@@ -139,6 +142,8 @@ class HintflowHostTier(KVConnectorBase_V1):
         self._evicted: list[tuple[int, Any]] = []
         self._no_save: dict[Any, None] = {}
         self._next_log_s = 0.0
+        self._holds: dict[str, list[int]] = {}  # waiting req id -> host slots held for it (hold_for_waiting)
+        self.num_held_slots = 0
         # worker side
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict[str, torch.Tensor] = {}
@@ -180,6 +185,28 @@ class HintflowHostTier(KVConnectorBase_V1):
         self._loads.extend(zip(slots, device_ids, strict=True))
         self.index.stats.num_loaded_blocks += len(slots)
         self._loaded_now[request.request_id] = len(slots) * self.block_size
+
+    def hold_for_waiting(self, request_id: str, block_hashes: Any, start: int, max_blocks: int) -> int:
+        """A waiting turn's context on the host, the run of blocks ``start:`` after its device part: lock those
+        slots until the turn is admitted or ends (``release_hold``), so the saves of what the device evicts
+        meanwhile do not take them. At most :data:`HOLD_SHARE` of the tier is held so (saves need the rest).
+        The number of blocks held."""
+        room = int(HOLD_SHARE * self.num_slots) - self.num_held_slots
+        if room <= 0 or request_id in self._holds:
+            return 0
+        slots = self.index.match(block_hashes, start, min(max_blocks, room))
+        if slots:
+            self.index.lock(slots)
+            self._holds[request_id] = slots
+            self.num_held_slots += len(slots)
+        return len(slots)
+
+    def release_hold(self, request_id: str) -> None:
+        """The turn was admitted (its load, if any, locked the slots it reads) or ended: let its hold go."""
+        slots = self._holds.pop(request_id, None)
+        if slots:
+            self.index.unlock(slots)
+            self.num_held_slots -= len(slots)
 
     def _save_blocks(self, request: Request, block_ids: list[int], start: int, end: int) -> tuple[int, int]:
         """Plan saves of blocks ``start:end`` not yet on the host; (blocks checked, saves planned).

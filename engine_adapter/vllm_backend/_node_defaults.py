@@ -2,8 +2,8 @@
 its memory (with hintflow's host tier or without). Other settings keep their defaults where they are read.
 
 Why one module: a default is measured where it is the default (each constant's docstring says how), and
-three of them differ by memory point (the pin budget, program admission's longest hold, the FCFS bound's
-slack). The scheduler reads them at start-up through :func:`node_defaults`; the real-vLLM harness records
+four of them differ by memory point (the pin budget, program admission's longest hold, the FCFS bound's
+slack, the queue hold). The scheduler reads them at start-up through :func:`node_defaults`; the real-vLLM harness records
 them in its report and the replay's mirror of the node (``scripts/vllm_predict.py``) reads them from
 there or from here, so each exists once. No vLLM import: the harness and the mirror run without vLLM.
 """
@@ -19,6 +19,8 @@ __all__ = [
     "AGING_S",
     "FCFS_SLACK",
     "FCFS_SLACK_WITH_HOST",
+    "HOLD_QUEUED",
+    "HOLD_QUEUED_WITH_HOST",
     "PIN_BUDGET",
     "PIN_BUDGET_WITH_HOST",
     "NodeDefaults",
@@ -75,6 +77,23 @@ benchmark's trace with a host tier of half the pool: mean JCT 1-10% and p99 TTFT
 round (docs/benchmarks.md, "The pin budget")."""
 
 
+HOLD_QUEUED = False
+"""Default of the queue hold on a node without a host tier (``HINTFLOW_HOLD_QUEUED``, ``SessionBook.hold_queued``):
+off. Device-only, few returning turns arrive to find an unpinned context still cached (49-53 of 555 held
+one, and the pins left the budget little room for them), and the history lost while queued stayed where it
+was (14-15% of the lost against 16-18%). Mean JCT was lower in both paired bracketed rounds on the agent
+benchmark's trace (0.53x and 0.54x stock's against 0.58x and 0.61x), p99 TTFT once higher, once lower
+(1.27x and 1.00x against 1.16x and 1.54x): a move the mechanism's own reading does not explain, within the
+spread of that noisy day (docs/benchmarks.md, "A queued turn holds its context")."""
+HOLD_QUEUED_WITH_HOST = True
+"""Default of the queue hold with hintflow's host tier: on. There most of the history lost was lost while
+its turn waited (55-61%: the tier's LRU dropped the host part of a waiting turn's context to save what the
+device evicted meanwhile); holding the device part and the tier's run after it cut that to 32%, and in two
+paired bracketed rounds on the agent benchmark's trace it lowered mean JCT (0.57x and 0.73x stock+host's
+against 0.67x and 0.83x), p90 JCT and p99 TTFT (0.97x and 1.21x against 1.36x and 1.83x)
+(docs/benchmarks.md, "A queued turn holds its context")."""
+
+
 @dataclass(frozen=True)
 class NodeDefaults:
     """The defaults that depend on whether the node has hintflow's host tier (each measured there)."""
@@ -82,10 +101,11 @@ class NodeDefaults:
     pin_budget: float  # share of the pool pins may hold (HINTFLOW_PIN_BUDGET)
     admit_max_wait_s: float  # program admission's longest hold (HINTFLOW_ADMIT_MAX_WAIT_S)
     fcfs_slack: float  # the FCFS bound's slack, inf: off (HINTFLOW_FCFS_SLACK)
+    hold_queued: bool  # a waiting turn holds its cached context until admission (HINTFLOW_HOLD_QUEUED)
 
 
-DEVICE_ONLY = NodeDefaults(PIN_BUDGET, ADMIT_MAX_WAIT_S, FCFS_SLACK)
-WITH_HOST_TIER = NodeDefaults(PIN_BUDGET_WITH_HOST, ADMIT_MAX_WAIT_S_WITH_HOST, FCFS_SLACK_WITH_HOST)
+DEVICE_ONLY = NodeDefaults(PIN_BUDGET, ADMIT_MAX_WAIT_S, FCFS_SLACK, HOLD_QUEUED)
+WITH_HOST_TIER = NodeDefaults(PIN_BUDGET_WITH_HOST, ADMIT_MAX_WAIT_S_WITH_HOST, FCFS_SLACK_WITH_HOST, HOLD_QUEUED_WITH_HOST)
 
 
 def node_defaults(host_tier: bool) -> NodeDefaults:

@@ -13,7 +13,13 @@ the semantics of ``engine_adapter._kv_manager`` on vLLM's structures:
   (``BlockPool.touch``, vLLM's own prefix-hit path), up to the first one that was evicted;
 - pins are leases on this process's monotonic clock, bounded by a budget of distinct blocks (a shared
   prefix pinned twice costs once), consumed when the session's next request is admitted, kept past expiry
-  while that next request waits, dropped latest-program-first when they block all progress (deadlock).
+  while that next request waits, dropped latest-program-first when they block all progress (deadlock);
+- a *queue hold* (``hold_queued``, ``HINTFLOW_HOLD_QUEUED``): a turn that arrives to find its context still
+  cached but unpinned holds it while it waits, as a lease that lapsed at once (so it lasts exactly until
+  admission), under the same budget, yield and deadlock rules as a pin; it is not the orchestrator's pin
+  (it takes no queue band and is not reported as pinned). vLLM's prefix cache keeps no blocks for a waiting
+  request, so a returning turn queued behind others lost its context to their allocations; the embedded
+  node never evicts a queued turn's context while a parked one is left.
 
 Callers hold the scheduler's lock; nothing here is thread-safe on its own.
 """
@@ -59,6 +65,7 @@ class VSession:
     pin_hinted_s: float | None = None  # when the orchestrator last sent this session a Pin (grace_hold)
     context: array[int] = field(default_factory=lambda: array("q"))  # tokens the last turn computed
     pause_fate: str = "unpinned"  # what became of its context since its last turn (_lost_context.PAUSE_FATES)
+    queue_hold: bool = False  # what it holds is a queue hold (SessionBook.hold_queued), not a pin
 
     @property
     def waiting(self) -> bool:
@@ -102,6 +109,7 @@ class BookStats:
     released_sessions: int = 0
     yielded_pins: int = 0
     pin_renewals: int = 0
+    queue_holds: int = 0  # turns that held their cached context while queued (hold_queued)
 
 
 class SessionBook:
@@ -225,6 +233,23 @@ class SessionBook:
             return PinResult(0, len(s.snapshot), deferred=True)  # applies when the running turn ends
         return self._grant(s, [b for b, _ in s.snapshot], already_referenced=False, hashes=s.snapshot)
 
+    def hold_queued(self, s: VSession) -> int:
+        """The session's turn arrived and waits, its last context cached but not pinned: hold that context
+        until the turn is admitted (module docstring). A live lease that holds nothing (clamped to nothing)
+        is kept as it is; else the hold's lease lapses at once and lasts only while the turn waits. The
+        pause's fate stands (the pause is over). Returns the blocks held."""
+        if s.held or s.released or not s.snapshot or not s.waiting:
+            return 0
+        fate = s.pause_fate
+        if s.pin_deadline_s is None:
+            self.leases.grant(s, self.clock(), 0.0)
+        self._grant(s, [b for b, _ in s.snapshot], already_referenced=False, hashes=s.snapshot, count_clamp=False)
+        s.pause_fate = fate
+        if s.held:
+            s.queue_hold = True
+            self.stats.queue_holds += 1
+        return len(s.held)
+
     def _grant(
         self,
         s: VSession,
@@ -232,6 +257,7 @@ class SessionBook:
         *,
         already_referenced: bool,
         hashes: Sequence[tuple[Block, Any]] | None = None,
+        count_clamp: bool = True,
     ) -> PinResult:
         """Hold up to the pin budget of ``prefix``; re-acquire (touch) blocks the book does not yet own."""
         held_ids = {b.block_id for b in s.held}
@@ -248,12 +274,13 @@ class SessionBook:
                 self.pool.touch([b])  # vLLM's prefix-hit path: out of the free queue, ref_cnt + 1
             s.held.append(b)
         grant = PinResult(len(s.held), len(prefix))
-        if grant.clamped:
+        if grant.clamped and count_clamp:
             self.stats.pin_clamps += 1
         s.pause_fate = after_grant(s.pause_fate, whole=whole, clamped=grant.clamped, held=bool(s.held))
         return grant
 
     def _unpin(self, s: VSession) -> None:
+        s.queue_hold = False
         if not s.held:
             return
         for b in s.held:
