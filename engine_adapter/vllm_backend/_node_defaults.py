@@ -88,10 +88,10 @@ spread of that noisy day (docs/benchmarks.md, "A queued turn holds its context")
 HOLD_QUEUED_WITH_HOST = True
 """Default of the queue hold with hintflow's host tier: on. There most of the history lost was lost while
 its turn waited (55-61%: the tier's LRU dropped the host part of a waiting turn's context to save what the
-device evicted meanwhile); holding the device part and the tier's run after it cut that to 32%, and in two
-paired bracketed rounds on the agent benchmark's trace it lowered mean JCT (0.57x and 0.73x stock+host's
-against 0.67x and 0.83x), p90 JCT and p99 TTFT (0.97x and 1.21x against 1.36x and 1.83x)
-(docs/benchmarks.md, "A queued turn holds its context")."""
+device evicted meanwhile); holding the device part and the tier's run after it cut that to 25-32%, and in
+three paired bracketed rounds on the agent benchmark's trace it lowered mean JCT (0.57x, 0.73x and 0.69x
+stock+host's against 0.67x, 0.83x and 0.72x) and p99 TTFT (0.97x, 1.21x, 1.25x against 1.36x, 1.83x,
+1.29x), p90 JCT in two of them (docs/benchmarks.md, "A queued turn holds its context")."""
 
 
 @dataclass(frozen=True)
