@@ -220,6 +220,11 @@ def _unmirrored(env: dict[str, str]) -> list[str]:
     return out
 
 
+def _off(value: str) -> bool:
+    """A node switch's value that turns it off (as the node reads it: ``_infer.env_on``)."""
+    return value.strip().lower() in ("0", "false", "no", "off")
+
+
 def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
     """A variant's node settings, as the mirror's scheduler keys (see ``NODE_ENV``)."""
     if "HINTFLOW_PIN_BUDGET" in env:
@@ -239,8 +244,7 @@ def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
     if "HINTFLOW_ADMIT_FRACTION" in env and "scheduler.admit_fraction" in keys:
         keys["scheduler.admit_fraction"] = env["HINTFLOW_ADMIT_FRACTION"]
     if "HINTFLOW_WARM_FIRST" in env:
-        on = env["HINTFLOW_WARM_FIRST"].strip().lower() not in ("0", "false", "no", "off")
-        keys["scheduler.warm_first"] = str(on).lower()
+        keys["scheduler.warm_first"] = str(not _off(env["HINTFLOW_WARM_FIRST"])).lower()
     if "HINTFLOW_WARM_THRESHOLD_TOKENS" in env:
         keys["scheduler.warm_threshold_tokens"] = str(int(float(env["HINTFLOW_WARM_THRESHOLD_TOKENS"])))
     deadline = env.get("HINTFLOW_TTFT_DEADLINE_S")
@@ -248,8 +252,8 @@ def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
         keys["scheduler.ttft_deadline_s"] = deadline
     hold = env.get("HINTFLOW_HOLD_QUEUED")
     if hold is not None:
-        keys["evict_queued"] = str(hold.strip().lower() in ("0", "false", "no", "off")).lower()
-    if env.get("HINTFLOW_YIELD_PINS", "1").strip().lower() in ("0", "false", "no", "off"):
+        keys["evict_queued"] = str(_off(hold)).lower()
+    if _off(env.get("HINTFLOW_YIELD_PINS", "1")):
         keys["yield_pins"] = "false"  # (``head`` is not mirrored: ``_unmirrored``)
     slack = env.get("HINTFLOW_FCFS_SLACK")
     if slack is not None:

@@ -240,11 +240,9 @@ class SessionBook:
         pause's fate stands (the pause is over). Returns the blocks held."""
         if s.held or s.released or not s.snapshot or not s.waiting:
             return 0
-        fate = s.pause_fate
         if s.pin_deadline_s is None:
             self.leases.grant(s, self.clock(), 0.0)
-        self._grant(s, [b for b, _ in s.snapshot], already_referenced=False, hashes=s.snapshot, count_clamp=False)
-        s.pause_fate = fate
+        self._grant(s, [b for b, _ in s.snapshot], already_referenced=False, hashes=s.snapshot, pin=False)
         if s.held:
             s.queue_hold = True
             self.stats.queue_holds += 1
@@ -257,9 +255,10 @@ class SessionBook:
         *,
         already_referenced: bool,
         hashes: Sequence[tuple[Block, Any]] | None = None,
-        count_clamp: bool = True,
+        pin: bool = True,
     ) -> PinResult:
-        """Hold up to the pin budget of ``prefix``; re-acquire (touch) blocks the book does not yet own."""
+        """Hold up to the pin budget of ``prefix``; re-acquire (touch) blocks the book does not yet own.
+        ``pin=False``: a queue hold, no pin decision (not a clamp, and the pause's fate stands)."""
         held_ids = {b.block_id for b in s.held}
         whole = True
         for idx, b in enumerate(prefix):
@@ -274,9 +273,10 @@ class SessionBook:
                 self.pool.touch([b])  # vLLM's prefix-hit path: out of the free queue, ref_cnt + 1
             s.held.append(b)
         grant = PinResult(len(s.held), len(prefix))
-        if grant.clamped and count_clamp:
-            self.stats.pin_clamps += 1
-        s.pause_fate = after_grant(s.pause_fate, whole=whole, clamped=grant.clamped, held=bool(s.held))
+        if pin:
+            if grant.clamped:
+                self.stats.pin_clamps += 1
+            s.pause_fate = after_grant(s.pause_fate, whole=whole, clamped=grant.clamped, held=bool(s.held))
         return grant
 
     def _unpin(self, s: VSession) -> None:
