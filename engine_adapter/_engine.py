@@ -80,6 +80,7 @@ class EngineCore:
         host_write_through: bool = False,
         evict_queued: bool = False,
         host_lru: bool = False,
+        host_hold_share: float = 0.0,
         node_id: str = "",
         model_name: str = "hintflow-tiny",
         pace_modeled: bool = False,
@@ -101,6 +102,7 @@ class EngineCore:
             host_write_through=host_write_through,
             evict_queued=evict_queued,
             host_lru=host_lru,
+            host_hold_share=host_hold_share,
         )
         self.scheduler = Scheduler(self.kv, self.clock, scheduler_config)
         self.scheduler.on_finish = self._on_finish

@@ -44,6 +44,7 @@ class HostTier(SessionTable):
             if hb is not None:
                 self.pending_copies.append(CopyOp("d2h", bid, hb))
                 s.host_block_ids.insert(0, hb)
+                s.host_used_s = self.clock.now()  # the tier's newest save (HostLRUPolicy)
                 self.stats.offloaded_blocks += 1
                 moved = True
         if not moved and s.host_block_ids:
@@ -84,7 +85,7 @@ class HostTier(SessionTable):
         making room by dropping least recently used chains (never this one's); how many were copied."""
         if not self.host_write_through:
             return 0
-        s.last_used_s = self.clock.now()  # the chain being saved is the most recently used
+        s.last_used_s = s.host_used_s = self.clock.now()  # the chain being saved is the most recently used
         self._refresh(s)
         num_full = min(len(s.token_ids) // self.block_size, len(s.block_ids))
         n = 0

@@ -147,7 +147,7 @@ class KVCacheManager(HostTier):
         """Write-through: the host copies that stay with the new context (of its leading own device blocks,
         then of the blocks reloaded right after them: the host keeps what it loads); the others let go.
         Returns the reloaded host blocks kept (``attach`` must not let go of them)."""
-        s.last_used_s = self.clock.now()  # a load touches the chain (LRU)
+        s.last_used_s = s.host_used_s = self.clock.now()  # a load touches the chain (LRU)
         lead = 0
         for (bid, own), old in zip(plan.device, s.block_ids, strict=False):
             if not own or bid != old:

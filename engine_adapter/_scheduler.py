@@ -140,7 +140,7 @@ class Scheduler:
         s = req.session
         req.arrival = (s.pause_fate, self.kv.plan_prefix(s, req.tokens, req._plan_memo).num_hit_tokens)
         if req.session.state is SessionState.PARKED:
-            self.kv.set_waiting(req.session)
+            self.kv.set_waiting(req.session, arriving=True)
         if self.fcfs_bound.enabled:
             own = req.num_tokens - s.num_device_tokens - s.num_host_tokens
             self.fcfs_bound.arrived(req.request_id, self.prefill_backlog_tokens(), own)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from predictors import HostHitShare, UnpinnedSurvival
 
 from ._block_pool import NONE_HASH, BlockPool, hash_block_tokens
-from ._eviction import SessionHeap, get_eviction_policy
+from ._eviction import EvictionPolicy, HostLRUPolicy, SessionHeap, get_eviction_policy
 from ._executor import Clock, CopyOp
 from ._lost_context import after_grant, after_unpin
 from ._pin_lease import PinLeases
@@ -79,6 +79,7 @@ class SessionTable:
         host_write_through: bool = False,
         evict_queued: bool = False,
         host_lru: bool = False,
+        host_hold_share: float = 0.0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -98,11 +99,18 @@ class SessionTable:
         # was saved or loaded, least recent first, whatever the hints say (``HostIndex``); write-through
         # does so too. False (ours) drops in the device's order (``policy``: the hinted one).
         lru = self.host_write_through or host_lru
-        self._host_policy = get_eviction_policy("lru") if lru else self.policy
+        self._host_policy: EvictionPolicy | HostLRUPolicy = HostLRUPolicy() if lru else self.policy
         # True models vLLM's prefix cache: a queued turn holds no blocks, so its context stays in the
         # eviction order where its last turn left it (parked and queued contexts alike); False (ours)
         # evicts a queued turn's context only when no parked one is left (``allocate_device``).
         self.evict_queued = evict_queued
+        # The vLLM node's queue hold on its host tier (``host_hold_share`` > 0; ``HintflowHostTier.hold_for_waiting``):
+        # an arriving turn locks the tier's run of its context until it is admitted, so the saves of what the
+        # device evicts meanwhile do not drop it, while all the locks together stay under that share of the
+        # tier. Session -> its leading host blocks locked (``set_waiting``, ``_refresh``).
+        self.host_hold_blocks = int(host_hold_share * num_host_blocks)
+        self._host_locked: dict[Session, int] = {}
+        self.num_host_locked_blocks = 0
         self.host_hits = HostHitShare()  # what the host tier gave back of evicted contexts (KVCacheManager.attach)
         self.unpinned_survival = UnpinnedSurvival()  # what the device kept of contexts no pin held (attach)
         self.sessions: dict[str, Session] = {}
@@ -154,7 +162,16 @@ class SessionTable:
             self._device_evictable.set(s, self.policy.ref_time(s))
         else:
             self._device_evictable.discard(s)
-        if (s.host_block_ids or s.saved_host_ids) and s not in self.leased:
+        locked = self._host_locked.get(s, 0)
+        if locked:  # a queue hold lasts while the turn waits, over what is left of the run it locked
+            keep = min(locked, len(s.host_block_ids)) if s.state is SessionState.WAITING else 0
+            self.num_host_locked_blocks -= locked - keep
+            if keep:
+                self._host_locked[s] = locked = keep
+            else:
+                del self._host_locked[s]
+                locked = 0
+        if len(s.host_block_ids) + len(s.saved_host_ids) > locked and s not in self.leased:
             self._host_holders.set(s, self._host_policy.ref_time(s))
         else:
             self._host_holders.discard(s)
@@ -171,8 +188,14 @@ class SessionTable:
             s.epoch += 1
             parent = h
 
-    def set_waiting(self, s: Session) -> None:
+    def set_waiting(self, s: Session, *, arriving: bool = False) -> None:
+        """The session's turn is queued (``arriving``: a new turn, not one put back for memory)."""
         s.state = SessionState.WAITING
+        if arriving and self.host_hold_blocks and s.host_block_ids and s not in self._host_locked:
+            n = min(len(s.host_block_ids), self.host_hold_blocks - self.num_host_locked_blocks)
+            if n > 0:
+                self._host_locked[s] = n
+                self.num_host_locked_blocks += n
         self._maybe_waiting[s] = None
         self._refresh(s)
 
@@ -314,6 +337,13 @@ class SessionTable:
             if b.ref_cnt != host_refs[b.block_id]:
                 raise AssertionError(f"host {b!r}: ref_cnt != {host_refs[b.block_id]} session references")
         self.leases.check(pins)
+        locked = self._host_locked
+        if sum(locked.values()) != self.num_host_locked_blocks or self.num_host_locked_blocks > self.host_hold_blocks:
+            raise AssertionError(f"host blocks locked by queued turns: {self.num_host_locked_blocks} counted, "
+                                 f"{sum(locked.values())} held, {self.host_hold_blocks} allowed")
+        for s, n in locked.items():
+            if s.state is not SessionState.WAITING or n > len(s.host_block_ids):
+                raise AssertionError(f"{s.session_id}: {s.state.value}, locks {n} of {len(s.host_block_ids)} host blocks")
         evictable = sum(len(s.block_ids) - s.pinned_blocks for s in self.sessions.values()
                         if s.state is not SessionState.RUNNING)
         if evictable != self.num_evictable_blocks or sum(self._evictable.values()) != evictable:

@@ -44,6 +44,7 @@ from engine_adapter import (
     StepOutput,
     VirtualClock,
 )
+from engine_adapter.vllm_backend import HOLD_SHARE
 from replay._fast_forward import DecodeWindow, apply_bulk_step, plan_window, window_cut
 from replay._policies import ReplayConfig
 from replay._step_trace import SimStepTrace
@@ -292,6 +293,7 @@ def build_nodes(num_nodes: int, spec: NodeSpec, config: ReplayConfig, clock: Vir
                             retain_contexts=config.retain_contexts, pin_budget_fraction=config.pin_budget,
                             host_write_through=config.host_write_through, evict_queued=config.evict_queued,
                             host_lru=config.host_lru,
+                            host_hold_share=HOLD_SHARE if config.host_hold else 0.0,
                             node_id=f"node-{i}")
         traced = spec.step_trace_dir is not None
         node = SimNode(f"node-{i}", engine, cm, measured=spec.executor == "torch",

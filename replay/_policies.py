@@ -22,12 +22,19 @@ the pool could hold its whole prompt, as vLLM 0.32 does (``SchedulerConfig.admit
   be reloaded from the host tier once the device has reused its blocks: the replay's row without
   retention gains nothing from the tier.
 * ``host_lru``: a host tier filled on eviction drops least recently saved or loaded contexts first, whatever
-  the hints say, as the vLLM node's connector does (``vllm_backend/_host_index.py``; released programs'
+  the hints say (by the newest save into the tier, not the session's last turn: ``HostLRUPolicy``), as the
+  vLLM node's connector does (``vllm_backend/_host_index.py``; released programs'
   blocks go first there, as released contexts leave the replay's tier at once); off, it drops in the
   device's order (the hinted one where ``eviction_policy`` is). Only ``scripts/vllm_predict.py``'s mirrors set
   it: kvflow's hinted host order replayed its real node's short-host sitting (wh10) at 32% across-turn hits
   and 0.90x stock's mean JCT, against 17% and 1.07x measured; dropping least recently used first, 22% and
   1.00x (docs/benchmarks.md). Hintflow's own modes run their node with the LRU order on both tiers.
+* ``host_hold``: an arriving turn locks the host tier's run of its context until it is admitted (at most
+  ``HOLD_SHARE`` of the tier in all), as the vLLM node's queue hold does (``HINTFLOW_HOLD_QUEUED``,
+  ``HintflowHostTier.hold_for_waiting``); only ``scripts/vllm_predict.py``'s mirrors of a holding node set it.
+  Without it, in the mirror of a node whose tier drops least recently saved first (``host_lru``), the host
+  part of a waiting turn's context goes before what the device evicts meanwhile, as on the node without
+  its hold.
 * ``warm_first``: the node admits warm turns (at most ``WARM_THRESHOLD_TOKENS`` of prompt left to compute)
   in a pass before cold ones (``SchedulerConfig.warm_first``), as hintflow's engines do. vLLM admits in one
   pass in queue order and stops at the first turn memory cannot take, and so do the systems built on it
@@ -127,6 +134,7 @@ class ReplayConfig:
     host_tier: bool
     host_write_through: bool = False  # the host tier as vLLM's connectors fill it (see the docstring)
     host_lru: bool = False  # the host tier drops as the vLLM node's connector does (see the docstring)
+    host_hold: bool = False  # a queued turn locks its run on the host tier (see the docstring)
     warm_first: bool = True  # warm turns admitted in a pass before cold ones (see the docstring)
     evict_queued: bool = False  # a queued turn's context evicted as a parked one (see the docstring)
     resend_outputs: bool = True  # a turn's output is part of its session's next prompt (see the docstring)

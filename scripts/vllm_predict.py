@@ -94,13 +94,15 @@ def _vllm_node(warm_first: bool = False, hold_queued: bool = False) -> str:
     11-16% measured. Set on every mirror, so a mirror does not depend on the registered rows' defaults.
     ``hold_queued``: the node ran its queue hold (``HINTFLOW_HOLD_QUEUED``: a waiting turn keeps its cached
     context), mirrored as the embedded node's rule (``evict_queued=false``: a queued turn's context goes only
-    when no parked one is left).
+    when no parked one is left) and the host tier's lock (``host_hold``: the run of it on the tier stays there
+    until admission).
     And the benchmark's client sends each turn's trace tokens only, not the turn's output
     (``resend_outputs``). The node's host tier (``+host``) drops least recently saved or loaded blocks first,
     whatever the hints say (``host_lru``): kvflow's hinted host order replayed wh10 at 32% hits against 17%
     measured."""
-    evict = str(not hold_queued).lower()
-    return f"scheduler.warm_first={str(warm_first).lower()},evict_queued={evict},resend_outputs=false,host_lru=true"
+    evict, hold = str(not hold_queued).lower(), str(hold_queued).lower()
+    return (f"scheduler.warm_first={str(warm_first).lower()},evict_queued={evict},host_hold={hold},"
+            "resend_outputs=false,host_lru=true")
 
 
 INFER_RENEW = "policy.renew_ahead_s=0.05"
@@ -253,6 +255,7 @@ def _node_env(keys: dict[str, str], env: dict[str, str]) -> None:
     hold = env.get("HINTFLOW_HOLD_QUEUED")
     if hold is not None:
         keys["evict_queued"] = str(_off(hold)).lower()
+        keys["host_hold"] = str(not _off(hold)).lower()
     if _off(env.get("HINTFLOW_YIELD_PINS", "1")):
         keys["yield_pins"] = "false"  # (``head`` is not mirrored: ``_unmirrored``)
     slack = env.get("HINTFLOW_FCFS_SLACK")

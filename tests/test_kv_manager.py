@@ -260,11 +260,9 @@ def test_host_hit_share_counts_what_the_host_tier_lost() -> None:
     assert kv.host_hits.fraction() == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("host_lru", [False, True])
-def test_host_tier_drops_in_the_hinted_order_or_least_recently_used_first(host_lru: bool) -> None:
-    """Filled on eviction, the host drops the context needed furthest ahead; with ``host_lru`` (the vLLM
-    node's connector) the least recently used one, whatever the hints say."""
-    kv, clock = make_kv(12, host=8, host_lru=host_lru)
+def test_host_tier_drops_in_the_hinted_order() -> None:
+    """Filled on eviction, the host drops the context needed furthest ahead."""
+    kv, clock = make_kv(12, host=8)
     a = park_context(kv, "a", toks(0, 16))
     clock.advance(1.0)
     b = park_context(kv, "b", toks(100, 16))
@@ -272,8 +270,34 @@ def test_host_tier_drops_in_the_hinted_order_or_least_recently_used_first(host_l
     c = park_context(kv, "c", toks(200, 16))
     kv.set_next_use(a, 0.5)  # a returns in half a second; b has been idle longest of the unhinted
     assert take(kv, 12)  # every context leaves the device; the host holds two of the three
-    kept = {s.session_id for s in (a, b, c) if len(s.host_block_ids) == 4}
-    assert kept == ({"b", "c"} if host_lru else {"a", "c"})
+    assert {s.session_id for s in (a, b, c) if len(s.host_block_ids) == 4} == {"a", "c"}
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_lru_host_tier_drops_the_least_recently_saved_run_unless_a_queued_turn_locks_it(hold: bool) -> None:
+    """``host_lru`` (the vLLM node's connector): the tier drops by when it saved a run, not by when its
+    session last ran. w ran after p, but the device evicted w first (p's hint), so saving p drops w's run.
+    With the queue hold (``host_hold_share``) w's turn, back and queued, locks its run: p's save finds no
+    slot and p's context is lost instead."""
+    kv, clock = make_kv(12, host=4, host_lru=True, host_hold_share=1.0 if hold else 0.0)
+    p = park_context(kv, "p", toks(0, 16))
+    clock.advance(1.0)
+    w = park_context(kv, "w", toks(100, 16))
+    clock.advance(1.0)
+    kv.set_next_use(p, 0.5)  # p returns first: the device evicts w
+    assert take(kv, 8)
+    assert len(w.host_block_ids) == 4 and len(p.block_ids) == 4
+    clock.advance(1.0)
+    kv.set_waiting(w, arriving=True)  # w's next turn arrives and waits
+    assert kv.num_host_locked_blocks == (4 if hold else 0)
+    assert take(kv, 12)  # p leaves the device too
+    assert (len(w.host_block_ids), len(p.host_block_ids)) == ((4, 0) if hold else (0, 4))
+    kv.check_invariants()
+    kv.set_waiting(w)  # (queued again: no second lock)
+    assert kv.num_host_locked_blocks == (4 if hold else 0)
+    kv.free_session(w)  # its turn ends unadmitted: the lock goes with it
+    assert kv.num_host_locked_blocks == 0
     kv.check_invariants()
 
 

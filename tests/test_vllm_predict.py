@@ -114,13 +114,18 @@ def test_the_queue_hold_is_mirrored_as_the_embedded_nodes_rule_for_hintflows_mod
     vp = load_script("vllm_predict")
     real: dict = {"config": {"hold_queued": False, "hold_queued_host": True}, "policies": {}}
     spec = {m: vp._spec(real, m, {}, "evict", True, 0.9) for m in ("hintflow-infer+host", "kvflow+host", "hintflow-infer")}
-    assert "evict_queued=false" in spec["hintflow-infer+host"]
-    assert "evict_queued=true" in spec["kvflow+host"] and "evict_queued=true" in spec["hintflow-infer"]
-    assert "evict_queued=true" in vp._spec({"config": {}, "policies": {}}, "hintflow-infer+host", {}, "evict", True, 0.9)
+    assert "evict_queued=false,host_hold=true" in spec["hintflow-infer+host"]
+    for m in ("kvflow+host", "hintflow-infer"):
+        assert "evict_queued=true,host_hold=false" in spec[m]
+    old = vp._spec({"config": {}, "policies": {}}, "hintflow-infer+host", {}, "evict", True, 0.9)
+    assert "evict_queued=true,host_hold=false" in old
     off = {"mode": "hintflow-infer+host", "policy_options": {}, "env": {"HINTFLOW_HOLD_QUEUED": "0"}}
-    assert "evict_queued=true" in vp._variant_mirror("V+host", off, "evict", None, hold_queued=True)
+    mirror = vp._variant_mirror("V+host", off, "evict", None, hold_queued=True)
+    assert "evict_queued=true" in mirror and "host_hold=false" in mirror
+    assert "evict_queued=false" not in mirror and "host_hold=true" not in mirror
     on = {"mode": "hintflow-infer", "policy_options": {}, "env": {"HINTFLOW_HOLD_QUEUED": "1"}}
-    assert "evict_queued=false" in vp._variant_mirror("V", on, "evict", None)
+    mirror = vp._variant_mirror("V", on, "evict", None)
+    assert "evict_queued=false" in mirror and "host_hold=true" in mirror
     assert vp._unmirrored({"HINTFLOW_HOLD_QUEUED": "1"}) == []
 
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         missing_internals,
     )
     from engine_adapter.vllm_backend._host_index import (
+        HOLD_SHARE,
         HOST_RELOAD_S_PER_TOKEN,
         host_tier_config,
     )
@@ -82,6 +83,7 @@ _LAZY: dict[str, str] = {
     "NodeDefaults": "engine_adapter.vllm_backend._node_defaults",
     "node_defaults": "engine_adapter.vllm_backend._node_defaults",
     "HOST_RELOAD_S_PER_TOKEN": "engine_adapter.vllm_backend._host_index",
+    "HOLD_SHARE": "engine_adapter.vllm_backend._host_index",
     "host_tier_config": "engine_adapter.vllm_backend._host_index",
     "KvResidency": "engine_adapter.vllm_backend._kv_events",
     "kv_events_config": "engine_adapter.vllm_backend._kv_events",
@@ -112,6 +114,7 @@ __all__ = [
     "FCFS_SLACK_WITH_HOST",
     "HOLD_QUEUED",
     "HOLD_QUEUED_WITH_HOST",
+    "HOLD_SHARE",
     "HOST_RELOAD_S_PER_TOKEN",
     "NODE_SETTINGS",
     "PIN_BUDGET",

@@ -69,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ._compat import HOST_TIER_COMPONENT, HOST_TIER_REQUIRED, check_vllm_internals
 from ._context_moves import block_dim
-from ._host_index import CONNECTOR_MODULE, HOST_SAVE_MODES, HostIndex, host_tier_config
+from ._host_index import CONNECTOR_MODULE, HOLD_SHARE, HOST_SAVE_MODES, HostIndex, host_tier_config
 from ._step_trace import step_trace
 
 if TYPE_CHECKING:
@@ -80,10 +80,6 @@ if TYPE_CHECKING:
 __all__ = ["CONNECTOR_MODULE", "HintflowHostTier", "HostTierMetadata", "host_tier_config"]
 
 log = logging.getLogger("vllm.hintflow.host_tier")  # under vLLM's logger: its handlers print INFO
-
-HOLD_SHARE = 0.5
-"""The most of the tier's slots that waiting turns' holds may lock (``hold_for_waiting``)."""
-
 
 @dataclass
 class HostTierMetadata(KVConnectorMetadata):

@@ -31,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "CONNECTOR_MODULE",
+    "HOLD_SHARE",
     "HOST_RELOAD_S_PER_TOKEN",
     "HOST_SAVE_MODES",
     "HostIndex",
@@ -39,6 +40,10 @@ __all__ = [
 ]
 
 CONNECTOR_MODULE = "engine_adapter.vllm_backend._host_connector"
+
+HOLD_SHARE = 0.5
+"""The most of the tier's slots that waiting turns' queue holds may lock (``HintflowHostTier.hold_for_waiting``;
+the replay's mirror of the node, ``SessionTable(host_hold_share=...)``)."""
 
 HOST_SAVE_MODES = ("evict", "write-through")
 """When a block is copied to the host tier: when the device evicts it (the default), or as it fills."""
