@@ -202,27 +202,3 @@ def test_a_queue_hold_takes_nothing_from_a_pin_and_stops_at_the_budget() -> None
     assert book.hold_queued(s) == 2 and s.queue_hold  # what the budget leaves
     assert book.stats.pin_clamps == 0  # a hold cut short is not a pin clamp
     book.check_invariants()
-
-
-def test_queue_holds_with_a_share_of_their_own_leave_the_pin_budget_to_pins() -> None:
-    """``HINTFLOW_HOLD_SHARE``: holds count against a budget of their own, so a hold is not cut short by pins
-    nor a pin by holds; letting go (admission, a yield) returns the blocks to the budget they came from."""
-    clock, pool = Clock(), Pool()
-    book = SessionBook(pool, 100, pin_budget_fraction=0.5, hold_share=0.1, clock=clock)  # 50 for pins, 10 for holds
-    p, _ = _finished_turn(book, "p", "r1", n=48)
-    assert book.set_pin(p, 30.0).pinned_blocks == 48
-    s, _ = _finished_turn(book, "a", "r3", n=12)
-    book.on_request_added(s, "r4")
-    assert book.hold_queued(s) == 10 and s.queue_hold  # its own budget, not the 2 the pins leave
-    assert book.num_pinned_blocks == 58 and book.leases.num_pinned_blocks == 48
-    q, _ = _finished_turn(book, "q", "r5", n=4)
-    assert book.set_pin(q, 30.0).pinned_blocks == 2  # the pins' budget is untouched by the hold
-    book.check_invariants()
-    assert book.drop_pin(s, yielded=True) == 10  # a hold yields like a pin: its blocks go back to its budget
-    assert book.holds.num_pinned_blocks == 0 and book.leases.num_pinned_blocks == 50
-    t, _ = _finished_turn(book, "t", "r7", n=4)
-    book.on_request_added(t, "r8")
-    assert book.hold_queued(t) == 4
-    book.on_admitted(t, "r8")
-    assert book.holds.num_pinned_blocks == 0 and book.num_pinned_blocks == 50
-    book.check_invariants()

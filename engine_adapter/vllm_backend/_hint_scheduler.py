@@ -124,8 +124,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
     (0.5: a session the orchestrator pinned in the last HINTFLOW_INFER_DEFER_S is held this long at each
     turn's end, until its next Pin decision arrives; 0: off), HINTFLOW_HOLD_QUEUED (HOLD_QUEUED, off; with the
     host tier HOLD_QUEUED_WITH_HOST, on: a turn that arrives to find its unpinned context still cached holds it
-    until admission, ``SessionBook.hold_queued``, and the host tier's run after it, ``hold_for_waiting``),
-    HINTFLOW_HOLD_SHARE (unset: queue holds count against the pin budget; a share of the pool: their own budget)."""
+    until admission, ``SessionBook.hold_queued``, and the host tier's run after it, ``hold_for_waiting``)."""
 
     hintflow_async: ClassVar[bool] = False  # whether the vLLM base is AsyncScheduler (set in _scheduler)
 
@@ -143,13 +142,7 @@ class HintSchedulerMixin(QueueRules, _VllmScheduler):
         self.host_tier: Any = self.connector if hasattr(self.connector, "step_loaded_tokens") else None
         defaults = node_defaults(self.host_tier is not None)  # the three that depend on the tier (_node_defaults)
         budget = pin_budget(os.environ.get("HINTFLOW_PIN_BUDGET"), host_tier=self.host_tier is not None)
-        hold_share = env_float("HINTFLOW_HOLD_SHARE", math.nan)  # unset: holds count against the pin budget
-        if not (math.isnan(hold_share) or 0.0 <= hold_share < 1.0):
-            raise ValueError(f"HINTFLOW_HOLD_SHARE={hold_share}: expected a share of the pool in [0, 1)")
-        self.book = SessionBook(
-            pool, pool.num_gpu_blocks - 1, pin_budget_fraction=budget,  # -1: the null block
-            hold_share=None if math.isnan(hold_share) else hold_share,
-        )
+        self.book = SessionBook(pool, pool.num_gpu_blocks - 1, pin_budget_fraction=budget)  # -1: null block
         self._req_session: dict[str, VSession] = {}
         self.accounting = RequestAccounting()  # per-request hintflow_* series (_accounting, _metrics)
         self._client_priority: dict[str, int] = {}

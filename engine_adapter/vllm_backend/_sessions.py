@@ -121,15 +121,11 @@ class SessionBook:
         num_blocks: int,
         *,
         pin_budget_fraction: float = 0.5,
-        hold_share: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
         self.num_blocks = num_blocks
         self.leases = PinLeases(num_blocks, pin_budget_fraction)
-        # Blocks queue holds take: under the pin budget (None), or under a share of the pool of their own
-        # (``HINTFLOW_HOLD_SHARE``), so that holds and pins do not clamp each other
-        self.holds = self.leases if hold_share is None else PinLeases(num_blocks, hold_share)
         self.clock = clock
         self.sessions: dict[str, VSession] = {}
         self.programs: dict[str, set[str]] = {}
@@ -140,9 +136,7 @@ class SessionBook:
 
     @property
     def num_pinned_blocks(self) -> int:
-        """Blocks pins and queue holds keep (a block both pin and hold keep on their own budgets counts twice)."""
-        own = self.holds is not self.leases
-        return self.leases.num_pinned_blocks + (self.holds.num_pinned_blocks if own else 0)
+        return self.leases.num_pinned_blocks
 
     @property
     def pin_budget_blocks(self) -> int:
@@ -266,7 +260,6 @@ class SessionBook:
         """Hold up to the pin budget of ``prefix``; re-acquire (touch) blocks the book does not yet own.
         ``pin=False``: a queue hold, no pin decision (not a clamp, and the pause's fate stands)."""
         held_ids = {b.block_id for b in s.held}
-        counts = self.leases if pin else self.holds
         whole = True
         for idx, b in enumerate(prefix):
             if hashes is not None and b.block_hash != hashes[idx][1]:
@@ -274,7 +267,7 @@ class SessionBook:
                 break  # evicted (and maybe reused) since the turn ended: the prefix stops here
             if b.block_id in held_ids:
                 continue
-            if not counts.hold(b.block_id):
+            if not self.leases.hold(b.block_id):
                 break
             if not already_referenced:
                 self.pool.touch([b])  # vLLM's prefix-hit path: out of the free queue, ref_cnt + 1
@@ -286,17 +279,12 @@ class SessionBook:
             s.pause_fate = after_grant(s.pause_fate, whole=whole, clamped=grant.clamped, held=bool(s.held))
         return grant
 
-    def _counts(self, s: VSession) -> PinLeases:
-        """The budget the session's held blocks count against."""
-        return self.holds if s.queue_hold else self.leases
-
     def _unpin(self, s: VSession) -> None:
-        counts = self._counts(s)
         s.queue_hold = False
         if not s.held:
             return
         for b in s.held:
-            counts.let_go(b.block_id)
+            self.leases.let_go(b.block_id)
         held, s.held = s.held, []
         self.pool.free_blocks(reversed(held))
 
@@ -305,8 +293,7 @@ class SessionBook:
 
         ``yielded``: dropped so that an older program's waiting turn fits (counted in ``yielded_pins``);
         other callers (an explicit hint taking over from an inferred pin) are not yields."""
-        counts = self._counts(s)
-        n = sum(1 for b in s.held if counts.pins_on(b.block_id) == 1)
+        n = sum(1 for b in s.held if self.leases.pins_on(b.block_id) == 1)
         s.pin_deadline_s = None
         self._unpin(s)
         s.pause_fate = "yielded" if yielded else after_unpin(s.pause_fate)
@@ -426,14 +413,10 @@ class SessionBook:
                 del self.programs[s.program_id]
 
     def check_invariants(self) -> None:
-        pins: dict[int, int] = {}
-        holds: dict[int, int] = {}
+        counts: dict[int, int] = {}
         for s in self.sessions.values():
-            counts = holds if s.queue_hold and self.holds is not self.leases else pins
             for b in s.held:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
                 if b.ref_cnt < 1:
                     raise AssertionError(f"{s.session_id}: holds block {b.block_id} with ref_cnt {b.ref_cnt}")
-        self.leases.check(pins)
-        if self.holds is not self.leases:
-            self.holds.check(holds)
+        self.leases.check(counts)
