@@ -85,7 +85,7 @@ class HostLRUPolicy:
     tier drops, while the host part of a turn that came back and waits, saved during its pause, goes
     before it. Ordered by the session's last turn instead (``LRUPolicy``, the mirrors' order until this
     class), the mirror of stock vLLM with a short host tier fitted its sitting at 0.018 rms log error
-    against 0.006 (docs/benchmarks.md, "The host tier's drop order in the mirror")."""
+    against 0.006 (docs/benchmarks.md, "A queued turn holds its context", hp1)."""
 
     name = "host-lru"
 

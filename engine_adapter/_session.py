@@ -32,9 +32,9 @@ class Session:
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full logical block
     state: SessionState = SessionState.PARKED
     last_used_s: float = 0.0
-    # When the host tier last saved a block of this context or touched its chain (a load, or a queued turn
-    # holding it): the clock of a host tier that drops least recently saved or loaded chains first, as the
-    # vLLM node's connector does (``SessionTable(host_lru=True)``; ``HostLRUPolicy``)
+    # When the host tier last saved a block of this context or loaded its chain: the clock of a host tier
+    # that drops least recently saved or loaded chains first, as the vLLM node's connector does
+    # (``SessionTable(host_lru=True)``; ``HostLRUPolicy``)
     host_used_s: float = 0.0
     next_use_deadline_s: float | None = None
     pin_deadline_s: float | None = None
