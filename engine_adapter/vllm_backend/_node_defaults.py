@@ -74,7 +74,9 @@ PIN_BUDGET_WITH_HOST = 0.5
 """Default share with hintflow's host tier: a context let go is copied back from the host, not re-prefilled,
 so a pin saves less and the room serves waiting turns. Against 0.7, three paired rounds on the agent
 benchmark's trace with a host tier of half the pool: mean JCT 1-10% and p99 TTFT 7-13% lower in every
-round (docs/benchmarks.md, "The pin budget")."""
+round (docs/benchmarks.md, "The pin budget"). 0.25 with the queue hold puts the p99 TTFT at stock's (0.98x and
+1.01x in two paired rounds) for 8 points of mean JCT (0.71x and 0.73x against 0.63x and 0.65x): an operator's
+setting for the tail, not the default (docs/benchmarks.md, "A turn admitted on its first chunk")."""
 
 
 HOLD_QUEUED = False
